@@ -1,0 +1,1 @@
+"""How runs are started: schedules, the reboot webhook and the node notifier."""

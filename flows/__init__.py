@@ -1,0 +1,1 @@
+"""Prefect flows: the operator's runbook, one task call per step (see tasks/)."""

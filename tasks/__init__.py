@@ -1,0 +1,1 @@
+"""Prefect tasks, one module per runbook step, built on vllm_redeploy's node access."""

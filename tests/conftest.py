@@ -1,0 +1,93 @@
+"""Session-wide real servers: one Docker engine and one OpenSSH node that reaches it.
+
+Each is started once per test session (they cost seconds) on loopback; tests that change
+state make their own containers and clean them up.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.testbed.dockerd import DockerEngine
+from tests.testbed.sshd import SSHServer, keygen
+from vllm_redeploy.nodes import SSHRunner, SSHTarget
+
+NODE_IP = "127.0.0.11"
+TEST_IMAGE = "vrd-test/busybox:1"
+
+
+def _need(program: str) -> None:
+    if shutil.which(program) is None and not Path(program).exists():
+        pytest.fail(
+            f"{program} is not installed: run .ci/run (or apt-get install it)", pytrace=False
+        )
+
+
+@pytest.fixture(scope="session")
+def workdir() -> Iterator[Path]:
+    # Short path: unix socket paths under it must stay below 108 bytes.
+    path = Path(tempfile.mkdtemp(prefix="vrd-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def client_key(workdir: Path) -> Path:
+    return keygen(workdir / "id_client")
+
+
+@pytest.fixture(scope="session")
+def dockerd(workdir: Path) -> Iterator[DockerEngine]:
+    _need("dockerd")
+    engine = DockerEngine(workdir / "d").start()
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="session")
+def test_image(dockerd: DockerEngine) -> str:
+    return dockerd.import_busybox(TEST_IMAGE)
+
+
+@pytest.fixture(scope="session")
+def sshd(workdir: Path, client_key: Path, dockerd: DockerEngine) -> Iterator[SSHServer]:
+    _need("/usr/sbin/sshd")
+    server = SSHServer(
+        workdir / "sshd", NODE_IP, [client_key], env={"DOCKER_HOST": dockerd.url}
+    ).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def known_hosts(tmp_path: Path, sshd: SSHServer) -> Path:
+    path = tmp_path / "known_hosts"
+    path.write_text(sshd.known_hosts_line())
+    return path
+
+
+@pytest.fixture
+def target(sshd: SSHServer, client_key: Path, known_hosts: Path) -> SSHTarget:
+    return SSHTarget(
+        host=sshd.host, port=sshd.port, user="root", key_file=client_key, known_hosts=known_hosts
+    )
+
+
+@pytest.fixture
+def ssh_runner(target: SSHTarget) -> Iterator[SSHRunner]:
+    with SSHRunner("node-a", target) as runner:
+        yield runner
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_user_env() -> Iterator[None]:
+    """Tests must not pick up a developer's VLLM_REDEPLOY_* variables."""
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("VLLM_REDEPLOY_")}
+    yield
+    os.environ.update(saved)

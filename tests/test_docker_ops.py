@@ -1,0 +1,158 @@
+"""Docker operations through the docker SDK, on a real engine: locally and over SSH."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from tests.testbed.dockerd import DockerEngine
+from vllm_redeploy.nodes import (
+    CommandFailed,
+    ContainerSpec,
+    LocalRunner,
+    NodeDocker,
+    SSHRunner,
+    project_labels,
+)
+from vllm_redeploy.nodes.docker import LABEL_CLUSTER, node_docker_for
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(params=["local", "ssh"])
+def node_docker(request: pytest.FixtureRequest, dockerd: DockerEngine) -> Iterator[NodeDocker]:
+    if request.param == "local":
+        node = node_docker_for(LocalRunner("node-a"), dockerd.url)
+    else:
+        node = node_docker_for(request.getfixturevalue("ssh_runner"))
+    yield node
+    node.close()
+
+
+@pytest.fixture
+def engine(dockerd: DockerEngine, test_image: str) -> Iterator[object]:
+    """The engine's own client, for setting up what a node had before we came."""
+    client = dockerd.client()
+    made: list[str] = []
+    client.made = made  # type: ignore[attr-defined]
+    yield client
+    for name in made:
+        with contextlib.suppress(Exception):
+            client.containers.get(name).remove(force=True)
+    client.close()
+
+
+def _autostart(engine, name: str) -> None:  # type: ignore[no-untyped-def]
+    """A container like the previous model's stack: restart policy unless-stopped."""
+    engine.made.append(name)
+    engine.containers.run(
+        "vrd-test/busybox:1",
+        ["sleep", "600"],
+        name=name,
+        detach=True,
+        network_mode="host",
+        restart_policy={"Name": "unless-stopped"},
+    )
+
+
+def _unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+def test_version_and_image_id(node_docker: NodeDocker, test_image: str) -> None:
+    assert node_docker.version().startswith("20.") or node_docker.version()[0].isdigit()
+    assert node_docker.image_id("vrd-test/busybox:1") == test_image
+    assert node_docker.image_id("vrd-test/absent:1") is None
+
+
+def test_stop_remove_and_restart_policy_of_autostart_containers(
+    node_docker: NodeDocker, engine
+) -> None:  # type: ignore[no-untyped-def]
+    tag = _unique("glm")
+    _autostart(engine, f"{tag}-server")
+    _autostart(engine, f"{tag}-proxy")
+    canary = _unique("canary")
+    _autostart(engine, canary)
+
+    found = node_docker.list_containers([f"{tag}-*"])
+    assert sorted(c.name for c in found) == [f"{tag}-proxy", f"{tag}-server"]
+    assert all(c.running and c.restart_policy == "unless-stopped" for c in found)
+
+    server = f"{tag}-server"
+    node_docker.set_restart_policy(server, "no")
+    assert engine.containers.get(server).attrs["HostConfig"]["RestartPolicy"]["Name"] == "no"
+    node_docker.stop(server, timeout_s=1)
+    info = node_docker.get(server)
+    assert info is not None and info.status == "exited" and not info.running
+    node_docker.remove(server)
+    node_docker.remove(f"{tag}-proxy")  # force-removes a running container
+    assert node_docker.get(server) is None and node_docker.list_containers([f"{tag}-*"]) == []
+    node_docker.stop(server)  # already gone: no error
+    node_docker.remove(server)
+    assert engine.containers.get(canary).status == "running"  # not named, not touched
+
+
+def test_nothing_is_listed_unless_named(node_docker: NodeDocker, engine) -> None:  # type: ignore[no-untyped-def]
+    _autostart(engine, _unique("other"))
+    assert node_docker.list_containers() == []
+
+
+def test_run_detached_with_labels_env_logs_wait(node_docker: NodeDocker, engine) -> None:  # type: ignore[no-untyped-def]
+    name = _unique("vrd-head")
+    engine.made.append(name)
+    cluster = _unique("cl")
+    container_id = node_docker.run_detached(
+        ContainerSpec(
+            name=name,
+            image="vrd-test/busybox:1",
+            command=["sh", "-c", 'echo "ip=$VLLM_HOST_IP"; echo line2 >&2; exit 5'],
+            env={"VLLM_HOST_IP": "127.0.0.11"},
+            labels=project_labels(cluster, "head"),
+            shm_size="64m",
+        )
+    )
+    assert node_docker.wait(name, timeout_s=20) == 5
+    mine = node_docker.list_containers(labels={LABEL_CLUSTER: cluster})
+    assert [c.id for c in mine] == [container_id]
+    assert mine[0].labels["io.vllm-redeploy.role"] == "head" and mine[0].exit_code == 5
+    assert mine[0].restart_policy == "no"
+    logs = node_docker.logs_tail(name, lines=10)
+    assert "ip=127.0.0.11" in logs and "line2" in logs
+    attrs = engine.containers.get(name).attrs["HostConfig"]
+    assert (attrs["NetworkMode"], attrs["IpcMode"], attrs["ShmSize"]) == (
+        "host",
+        "host",
+        64 * 1024 * 1024,
+    )
+
+
+def test_wait_returns_none_while_running(node_docker: NodeDocker, engine) -> None:  # type: ignore[no-untyped-def]
+    name = _unique("long")
+    _autostart(engine, name)
+    assert node_docker.wait(name, timeout_s=0.3) is None
+
+
+def test_exec_runs_argv_in_the_container(node_docker: NodeDocker, engine) -> None:  # type: ignore[no-untyped-def]
+    name = _unique("exec")
+    _autostart(engine, name)
+    runner = node_docker.exec_runner(name)
+    result = runner.run(["sh", "-c", 'echo "$A"; echo e >&2'], env={"A": "b c"}, timeout=10)
+    assert (result.stdout, result.stderr, result.node) == ("b c\n", "e\n", f"node-a/{name}")
+    assert runner.run(["echo", "$(id)"], timeout=10).stdout == "$(id)\n"
+    with pytest.raises(CommandFailed):
+        runner.run(["false"], timeout=10)
+
+
+def test_docker_over_ssh_survives_a_dropped_connection(
+    ssh_runner: SSHRunner,
+    sshd,
+    test_image: str,  # type: ignore[no-untyped-def]
+) -> None:
+    node = node_docker_for(ssh_runner)
+    assert node.image_id("vrd-test/busybox:1") == test_image
+    sshd.drop_connections()
+    assert node.image_id("vrd-test/busybox:1") == test_image
+    node.close()

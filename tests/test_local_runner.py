@@ -1,0 +1,80 @@
+"""The local transport: subprocesses on this machine."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm_redeploy.nodes import CommandFailed, CommandTimedOut, LocalRunner
+
+
+@pytest.fixture
+def local() -> LocalRunner:
+    return LocalRunner("controller")
+
+
+def test_success_and_separate_streams(local: LocalRunner) -> None:
+    result = local.run(["sh", "-c", "echo out; echo err >&2"], timeout=10)
+    assert (result.exit_code, result.stdout, result.stderr, result.node) == (
+        0,
+        "out\n",
+        "err\n",
+        "controller",
+    )
+
+
+def test_failure_names_node_command_and_stderr(local: LocalRunner) -> None:
+    with pytest.raises(CommandFailed) as info:
+        local.run(["sh", "-c", "echo disk-full >&2; exit 2"], timeout=10)
+    assert "exit code 2 on controller" in str(info.value) and "disk-full" in str(info.value)
+
+
+def test_missing_program_is_exit_127_like_a_shell(local: LocalRunner) -> None:
+    result = local.run(["no-such-program-xyz"], timeout=10, check=False)
+    assert result.exit_code == 127 and "command not found" in result.stderr
+
+
+def test_timeout_kills_the_process_group(local: LocalRunner, tmp_path: Path) -> None:
+    pidfile = tmp_path / "child.pid"
+    started = time.monotonic()
+    with pytest.raises(CommandTimedOut):
+        local.run(["sh", "-c", f"sleep 30 & echo $! > {pidfile}; wait"], timeout=0.5)
+    assert time.monotonic() - started < 5
+    child = int(pidfile.read_text())
+    time.sleep(0.2)
+    assert (
+        not Path(f"/proc/{child}").exists()
+        or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+    )
+
+
+def test_lines_stream_in_order_as_they_come(local: LocalRunner) -> None:
+    seen: list[tuple[float, str]] = []
+    local.run(
+        ["sh", "-c", "echo one; sleep 1; printf 'two\\nthree'"],
+        timeout=10,
+        on_line=lambda line, _stream: seen.append((time.monotonic(), line)),
+    )
+    assert [line for _, line in seen] == ["one", "two", "three"]
+    assert seen[1][0] - seen[0][0] > 0.8
+
+
+def test_env_is_added_and_stdin_is_fed(local: LocalRunner) -> None:
+    result = local.run(
+        ["sh", "-c", 'printf "$X-"; cat'], timeout=10, env={"X": "y"}, stdin=b"input"
+    )
+    assert result.stdout == "y-input"
+
+
+def test_argv_is_never_given_to_a_shell(local: LocalRunner, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    result = local.run(["echo", f"$(touch {marker})", f"; touch {marker}"], timeout=10)
+    assert result.stdout == f"$(touch {marker}) ; touch {marker}\n"
+    assert not marker.exists()
+
+
+def test_tail_gives_the_last_lines(local: LocalRunner) -> None:
+    result = local.run(["sh", "-c", "for i in 1 2 3 4 5; do echo $i; done"], timeout=10)
+    assert result.tail("stdout", 2) == "4\n5"

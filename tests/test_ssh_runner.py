@@ -1,0 +1,179 @@
+"""The SSH transport against a real OpenSSH server on loopback."""
+
+from __future__ import annotations
+
+import pickle
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.testbed.sshd import SSHServer, keygen
+from vllm_redeploy.nodes import (
+    AuthenticationFailed,
+    CommandFailed,
+    CommandTimedOut,
+    HostKeyRejected,
+    NodeUnreachable,
+    SSHRunner,
+    SSHTarget,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def test_success_returns_output_and_exit_code(ssh_runner: SSHRunner) -> None:
+    result = ssh_runner.run(["sh", "-c", "echo out; echo err >&2"], timeout=10)
+    assert (result.exit_code, result.stdout, result.stderr) == (0, "out\n", "err\n")
+    assert result.ok and result.node == "node-a" and not result.timed_out
+
+
+def test_failure_raises_with_exit_code_and_stderr_tail(ssh_runner: SSHRunner) -> None:
+    with pytest.raises(CommandFailed) as info:
+        ssh_runner.run(["sh", "-c", "echo boom-detail >&2; exit 3"], timeout=10)
+    assert info.value.result.exit_code == 3
+    message = str(info.value)
+    assert "exit code 3" in message and "node-a" in message and "boom-detail" in message
+
+
+def test_check_false_returns_the_failure(ssh_runner: SSHRunner) -> None:
+    result = ssh_runner.run(["sh", "-c", "exit 7"], timeout=10, check=False)
+    assert result.exit_code == 7 and not result.ok
+
+
+def test_timeout_is_wall_clock_and_keeps_partial_output(ssh_runner: SSHRunner) -> None:
+    started = time.monotonic()
+    with pytest.raises(CommandTimedOut) as info:
+        ssh_runner.run(["sh", "-c", "echo before; sleep 30"], timeout=1.0, check=False)
+    assert time.monotonic() - started < 5
+    assert info.value.result.exit_code is None and info.value.result.timed_out
+    assert info.value.result.stdout == "before\n"
+    # The connection is still usable afterwards.
+    assert ssh_runner.run(["echo", "again"], timeout=10).stdout == "again\n"
+
+
+def test_lines_stream_while_the_command_runs(ssh_runner: SSHRunner) -> None:
+    seen: list[tuple[float, str, str]] = []
+    ssh_runner.run(
+        ["sh", "-c", "echo first; echo warn >&2; sleep 1.5; echo second"],
+        timeout=10,
+        on_line=lambda line, stream: seen.append((time.monotonic(), stream, line)),
+    )
+    assert [(s, line) for _, s, line in seen] in (
+        [("stdout", "first"), ("stderr", "warn"), ("stdout", "second")],
+        [("stderr", "warn"), ("stdout", "first"), ("stdout", "second")],
+    )
+    assert seen[-1][0] - seen[0][0] > 1.0  # the first line arrived before the command ended
+
+
+def test_argv_is_quoted_so_shell_syntax_stays_literal(
+    ssh_runner: SSHRunner, tmp_path: Path
+) -> None:
+    marker = tmp_path / "pwned"
+    hostile = [
+        f"; touch {marker}",
+        f"$(touch {marker})",
+        f"`touch {marker}`",
+        f"a\ntouch {marker}",
+        "it's",
+    ]
+    result = ssh_runner.run(["printf", "%s|", *hostile], timeout=10)
+    assert result.stdout == "|".join(hostile) + "|"
+    assert not marker.exists()
+
+
+def test_env_and_stdin_reach_the_command(ssh_runner: SSHRunner) -> None:
+    result = ssh_runner.run(
+        ["sh", "-c", 'printf "%s:" "$GREETING"; cat'],
+        timeout=10,
+        env={"GREETING": "hi there"},
+        stdin=b"from stdin",
+    )
+    assert result.stdout == "hi there:from stdin"
+
+
+def test_connection_is_reused_and_recovers_after_a_drop(
+    ssh_runner: SSHRunner, sshd: SSHServer
+) -> None:
+    ssh_runner.run(["true"], timeout=10)
+    first = ssh_runner.client()
+    ssh_runner.run(["true"], timeout=10)
+    assert ssh_runner.client() is first  # one connection per node
+    assert sshd.drop_connections() >= 1
+    time.sleep(0.2)
+    assert ssh_runner.run(["echo", "back"], timeout=10).stdout == "back\n"
+    assert ssh_runner.client() is not first
+
+
+def test_unknown_host_key_is_refused_with_how_to_trust(target: SSHTarget, tmp_path: Path) -> None:
+    empty = tmp_path / "empty_known_hosts"
+    empty.write_text("")
+    runner = SSHRunner("node-a", SSHTarget(**{**target.__dict__, "known_hosts": empty}))
+    with pytest.raises(HostKeyRejected) as info:
+        runner.run(["true"], timeout=10)
+    message = str(info.value)
+    assert "not in" in message and "ssh-keyscan" in message and "SHA256:" in message
+    assert "trust_on_first_use" in message
+
+
+def test_trust_on_first_use_records_the_key(
+    target: SSHTarget, tmp_path: Path, sshd: SSHServer
+) -> None:
+    path = tmp_path / "tofu" / "known_hosts"
+    tofu = SSHTarget(**{**target.__dict__, "known_hosts": path, "trust_on_first_use": True})
+    with SSHRunner("node-a", tofu) as runner:
+        runner.run(["true"], timeout=10)
+    assert path.read_text() == sshd.known_hosts_line()
+    # Recorded now: a strict client with that file connects.
+    strict = SSHTarget(**{**target.__dict__, "known_hosts": path})
+    with SSHRunner("node-a", strict) as runner:
+        assert runner.run(["true"], timeout=10).ok
+
+
+def test_changed_host_key_is_refused_even_with_tofu(
+    target: SSHTarget, tmp_path: Path, sshd: SSHServer
+) -> None:
+    other = keygen(tmp_path / "other_host_key")
+    kind, key = Path(f"{other}.pub").read_text().split()[:2]
+    wrong = tmp_path / "known_hosts_wrong"
+    wrong.write_text(f"[{sshd.host}]:{sshd.port} {kind} {key}\n")
+    for tofu in (False, True):
+        runner = SSHRunner(
+            "node-a",
+            SSHTarget(**{**target.__dict__, "known_hosts": wrong, "trust_on_first_use": tofu}),
+        )
+        with pytest.raises(HostKeyRejected, match="CHANGED") as info:
+            runner.run(["true"], timeout=10)
+        assert "ssh-keygen -R" in str(info.value)
+    assert wrong.read_text().count("\n") == 1  # nothing was recorded
+
+
+def test_wrong_client_key_gives_an_authentication_message(
+    target: SSHTarget, tmp_path: Path
+) -> None:
+    stranger = keygen(tmp_path / "id_stranger")
+    runner = SSHRunner("node-a", SSHTarget(**{**target.__dict__, "key_file": stranger}))
+    with pytest.raises(AuthenticationFailed) as info:
+        runner.run(["true"], timeout=10)
+    assert "authentication as root failed" in str(info.value)
+    assert "authorized_keys" in str(info.value)
+
+
+def test_nothing_listening_is_unreachable_in_plain_words(target: SSHTarget) -> None:
+    runner = SSHRunner("node-z", SSHTarget(**{**target.__dict__, "host": "127.0.0.99"}))
+    with pytest.raises(NodeUnreachable) as info:
+        runner.run(["true"], timeout=10)
+    assert "cannot reach node node-z" in str(info.value)
+    assert "connection refused" in str(info.value)
+
+
+def test_errors_survive_pickling(ssh_runner: SSHRunner, target: SSHTarget, tmp_path: Path) -> None:
+    with pytest.raises(CommandFailed) as failed:
+        ssh_runner.run(["sh", "-c", "exit 4"], timeout=10)
+    empty = tmp_path / "kh"
+    empty.write_text("")
+    with pytest.raises(HostKeyRejected) as rejected:
+        SSHRunner("node-a", SSHTarget(**{**target.__dict__, "known_hosts": empty})).run(["true"])
+    for error in (failed.value, rejected.value):
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is type(error) and str(copy) == str(error)

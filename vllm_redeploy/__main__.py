@@ -1,0 +1,3 @@
+from vllm_redeploy.cli import main
+
+main()

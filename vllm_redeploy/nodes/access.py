@@ -1,0 +1,135 @@
+"""One handle per configured node: its command runner and its Docker, opened lazily."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Generic, Self, TypeVar
+
+from vllm_redeploy.config import ClusterConfig, NodeConfig
+from vllm_redeploy.nodes.docker import NodeDocker, node_docker_for
+from vllm_redeploy.nodes.errors import RemoteError
+from vllm_redeploy.nodes.local import LocalRunner
+from vllm_redeploy.nodes.runner import Runner
+from vllm_redeploy.nodes.ssh import SSHRunner, SSHTarget
+
+T = TypeVar("T")
+
+
+def runner_for(node: NodeConfig, config: ClusterConfig) -> Runner:
+    """The command runner for ``node`` as configured (SSH or local)."""
+    secrets = config.secret_values()
+    if node.transport == "local":
+        return LocalRunner(node.name, secrets)
+    ssh = config.ssh
+    key_file = node.ssh_key_file or ssh.key_file
+    passphrase = ssh.key_passphrase.get_secret_value() if ssh.key_passphrase else None
+    target = SSHTarget(
+        host=node.address,
+        port=node.ssh_port,
+        user=node.ssh_user or ssh.user,
+        key_file=key_file,
+        key_passphrase=passphrase,
+        known_hosts=ssh.known_hosts,
+        trust_on_first_use=ssh.trust_on_first_use,
+        connect_timeout_s=ssh.connect_timeout_s,
+        keepalive_s=ssh.keepalive_s,
+    )
+    return SSHRunner(node.name, target, secrets)
+
+
+class NodeAccess:
+    """Commands and Docker on one node, sharing one connection. Close it when done."""
+
+    def __init__(self, node: NodeConfig, config: ClusterConfig) -> None:
+        self.config = node
+        self.name = node.name
+        self.runner = runner_for(node, config)
+        self._docker: NodeDocker | None = None
+
+    def __repr__(self) -> str:
+        return f"<NodeAccess {self.runner!r}>"
+
+    @property
+    def docker(self) -> NodeDocker:
+        if self._docker is None:
+            self._docker = node_docker_for(self.runner, self.config.docker_host)
+        return self._docker
+
+    def close(self) -> None:
+        if self._docker is not None:
+            self._docker.close()
+            self._docker = None
+        self.runner.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class NodeOutcome(Generic[T]):
+    """What one node gave for a fan-out: a value, or the error it raised."""
+
+    node: str
+    value: T | None = None
+    error: RemoteError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def fan_out(nodes: Iterable[NodeConfig], fn: Callable[[NodeConfig], T]) -> list[NodeOutcome[T]]:
+    """Call ``fn`` for every node in parallel; per-node values or RemoteErrors, in node order."""
+    nodes = list(nodes)
+
+    def one(node: NodeConfig) -> NodeOutcome[T]:
+        try:
+            return NodeOutcome(node.name, value=fn(node))
+        except RemoteError as exc:
+            return NodeOutcome(node.name, error=exc)
+
+    if not nodes:
+        return []
+    with ThreadPoolExecutor(max_workers=len(nodes), thread_name_prefix="node") as pool:
+        return list(pool.map(one, nodes))
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """What `vllm-redeploy nodes` shows for one node."""
+
+    name: str
+    address: str
+    transport: str
+    reachable: bool
+    rtt_ms: float | None = None
+    docker_version: str | None = None
+    error: str | None = None
+
+
+def check_node(node: NodeConfig, config: ClusterConfig) -> NodeReport:
+    """Reach the node, time a round trip, and ask its Docker engine for its version."""
+    with NodeAccess(node, config) as access:
+        try:
+            access.runner.check_connection(timeout=config.ssh.connect_timeout_s)
+            rtt = access.runner.check_connection(timeout=config.ssh.connect_timeout_s)
+        except RemoteError as exc:
+            return NodeReport(node.name, node.address, node.transport, False, error=str(exc))
+        try:
+            version = access.docker.version()
+        except RemoteError as exc:
+            return NodeReport(
+                node.name, node.address, node.transport, True, rtt * 1000, error=str(exc)
+            )
+    return NodeReport(node.name, node.address, node.transport, True, rtt * 1000, version)

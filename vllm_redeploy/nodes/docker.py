@@ -1,0 +1,362 @@
+"""Docker on a node through the docker SDK: over the node's SSH connection, or a local socket.
+
+For SSH nodes the SDK's paramiko adapter is reused, but fed the runner's own connection, so
+Docker traffic obeys the same host-key rules and shares the node's one connection (each API
+call opens a channel running ``docker system dial-stdio`` on the node).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import docker
+import docker.errors
+import paramiko
+import requests
+from docker.models.containers import Container
+from docker.transport.sshconn import SSHHTTPAdapter
+from docker.types import DeviceRequest
+
+from vllm_redeploy import PROJECT
+from vllm_redeploy.nodes.errors import RemoteError
+from vllm_redeploy.nodes.result import CommandResult
+from vllm_redeploy.nodes.runner import OutputCapture, Runner
+from vllm_redeploy.nodes.ssh import SSHRunner
+
+# Docker Engine API 1.41 = Docker 20.10, the oldest engine with everything used here (GPU
+# device requests need 1.40). Fixed so that creating a client never contacts the node.
+API_VERSION = "1.41"
+API_TIMEOUT_S = 60
+LABEL_MANAGED = "io.vllm-redeploy.managed-by"
+LABEL_CLUSTER = "io.vllm-redeploy.cluster"
+LABEL_ROLE = "io.vllm-redeploy.role"
+# Placeholder base URL: the real transport is mounted on http+docker://ssh below.
+_SSH_BASE_URL = "http+docker://ssh"
+_UNUSED_TCP_URL = "tcp://127.0.0.1:9"
+
+T = TypeVar("T")
+
+
+class DockerError(RemoteError):
+    """A Docker operation on a node failed."""
+
+
+def project_labels(cluster: str, role: str) -> dict[str, str]:
+    """Labels on every container this project creates, so it can find its own."""
+    return {LABEL_MANAGED: PROJECT, LABEL_CLUSTER: cluster, LABEL_ROLE: role}
+
+
+@dataclass(frozen=True)
+class ContainerInfo:
+    id: str
+    name: str
+    image: str
+    status: str  # created, running, paused, restarting, removing, exited, dead
+    restart_policy: str
+    labels: Mapping[str, str]
+    exit_code: int | None
+    oom_killed: bool
+
+    @property
+    def running(self) -> bool:
+        return self.status in ("running", "restarting")
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    """A detached container on the host's network and IPC namespace (as vLLM and Ray need)."""
+
+    name: str
+    image: str
+    command: Sequence[str] = ()
+    entrypoint: Sequence[str] | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    volumes: Sequence[str] = ()  # docker -v syntax: HOST:CONTAINER[:ro]
+    labels: Mapping[str, str] = field(default_factory=dict)
+    shm_size: str | None = None
+    gpus: int | None = None  # None: no GPU request; -1: all GPUs of the node
+
+
+class _RunnerSSHAdapter(SSHHTTPAdapter):
+    """docker's paramiko adapter, fed the SSH runner's connection instead of its own."""
+
+    def __init__(self, runner: SSHRunner, timeout: int) -> None:
+        self._runner = runner
+        super().__init__(f"ssh://{runner.target.host}", timeout=timeout)
+
+    def _create_paramiko_client(self, base_url: str) -> None:
+        self.ssh_client = None
+
+    def _connect(self) -> None:
+        self.ssh_client = self._runner.client()
+
+    def get_connection(self, url: Any, proxies: Any = None) -> Any:
+        client = self._runner.client()  # reconnects if the connection died
+        if client is not self.ssh_client:
+            self.ssh_client = client
+            self.pools.clear()  # pools hold channels of the old connection
+        return super().get_connection(url, proxies)
+
+    def close(self) -> None:
+        # The connection belongs to the runner; only drop our pools.
+        self.pools.clear()
+
+
+def node_docker_for(runner: Runner, docker_host: str | None = None) -> NodeDocker:
+    """Docker on the node behind ``runner``, sharing its SSH connection if it has one."""
+    reset = runner.close if isinstance(runner, SSHRunner) else None
+    return NodeDocker(runner.node, docker_client_for(runner, docker_host), reset)
+
+
+def docker_client_for(runner: Runner, docker_host: str | None = None) -> docker.DockerClient:
+    """A docker SDK client for the node behind ``runner``. Nothing is contacted yet."""
+    if isinstance(runner, SSHRunner):
+        client = docker.DockerClient(
+            base_url=_UNUSED_TCP_URL, version=API_VERSION, timeout=API_TIMEOUT_S
+        )
+        client.api.mount(_SSH_BASE_URL, _RunnerSSHAdapter(runner, API_TIMEOUT_S))
+        client.api.base_url = _SSH_BASE_URL
+        return client
+    if docker_host:
+        return docker.DockerClient(base_url=docker_host, version=API_VERSION, timeout=API_TIMEOUT_S)
+    return docker.DockerClient.from_env(version=API_VERSION, timeout=API_TIMEOUT_S)
+
+
+class NodeDocker:
+    """The Docker operations the redeploy needs, on one node, with node-named errors."""
+
+    def __init__(
+        self, node: str, client: docker.DockerClient, reset: Callable[[], None] | None = None
+    ) -> None:
+        self.node = node
+        self._client = client
+        # Called when the transport fails, before the one retry: drops a dead SSH connection
+        # that paramiko has not noticed yet, so the retry dials a fresh one.
+        self._reset = reset
+
+    def __repr__(self) -> str:
+        return f"<NodeDocker {self.node}>"
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _call(self, what: str, fn: Callable[[], T], retry: bool = True) -> T:
+        """Run one SDK call; a dropped connection is retried once when ``retry`` is set."""
+        for attempt in (1, 2):
+            try:
+                return fn()
+            except (requests.exceptions.ConnectionError, paramiko.SSHException, EOFError) as exc:
+                if self._reset is not None:
+                    self._reset()
+                if not retry or attempt == 2:
+                    raise DockerError(
+                        self.node, f"Docker on {self.node}: {what} failed: {exc}"
+                    ) from None
+            except docker.errors.DockerException as exc:
+                raise DockerError(
+                    self.node, f"Docker on {self.node}: {what} failed: {_plain(exc)}"
+                ) from None
+            except RemoteError:
+                raise
+        raise AssertionError("unreachable")
+
+    def version(self) -> str:
+        return self._call("version", lambda: self._client.version()["Version"])
+
+    def image_id(self, image: str) -> str | None:
+        """The local image ID of ``image``, or None when the node does not have it."""
+
+        def lookup() -> str | None:
+            try:
+                return self._client.images.get(image).id
+            except docker.errors.ImageNotFound:
+                return None
+
+        return self._call(f"inspect image {image}", lookup)
+
+    def list_containers(
+        self, name_patterns: Sequence[str] = (), labels: Mapping[str, str] | None = None
+    ) -> list[ContainerInfo]:
+        """Containers (running or not) whose name matches a glob pattern, or carrying all
+        ``labels``. With neither, nothing is listed: we never act on containers not named."""
+        if not name_patterns and not labels:
+            return []
+        filters = {"label": [f"{k}={v}" for k, v in labels.items()]} if labels else None
+        found = self._call(
+            "list containers", lambda: self._client.containers.list(all=True, filters=filters)
+        )
+        if name_patterns:
+            found = [c for c in found if any(fnmatch.fnmatchcase(c.name, p) for p in name_patterns)]
+        return [_info(c) for c in found]
+
+    def get(self, name: str) -> ContainerInfo | None:
+        def lookup() -> ContainerInfo | None:
+            try:
+                return _info(self._client.containers.get(name))
+            except docker.errors.NotFound:
+                return None
+
+        return self._call(f"inspect container {name}", lookup)
+
+    def set_restart_policy(self, name: str, policy: str = "no") -> None:
+        self._call(
+            f"set restart policy of {name}",
+            lambda: self._client.api.update_container(name, restart_policy={"Name": policy}),
+        )
+
+    def stop(self, name: str, timeout_s: int = 10) -> None:
+        """Stop a container; one that is already gone counts as stopped."""
+        self._call(
+            f"stop {name}",
+            lambda: _ignore_missing(lambda: self._client.api.stop(name, timeout=timeout_s)),
+        )
+
+    def remove(self, name: str) -> None:
+        """Force-remove a container (volumes it named stay); one already gone counts as removed."""
+        self._call(
+            f"remove {name}",
+            lambda: _ignore_missing(lambda: self._client.api.remove_container(name, force=True)),
+        )
+
+    def run_detached(self, spec: ContainerSpec) -> str:
+        """Create and start ``spec``; return the container ID. Not retried: it is not idempotent."""
+        device_requests = (
+            [DeviceRequest(count=spec.gpus, capabilities=[["gpu"]])]
+            if spec.gpus is not None
+            else None
+        )
+
+        def start() -> str:
+            container = self._client.containers.run(
+                spec.image,
+                command=list(spec.command) or None,
+                entrypoint=list(spec.entrypoint) if spec.entrypoint is not None else None,
+                name=spec.name,
+                detach=True,
+                environment=dict(spec.env),
+                volumes=list(spec.volumes),
+                labels=dict(spec.labels),
+                shm_size=spec.shm_size,
+                network_mode="host",
+                ipc_mode="host",
+                device_requests=device_requests,
+                restart_policy={"Name": "no"},
+            )
+            return container.id
+
+        return self._call(f"start container {spec.name} from {spec.image}", start, retry=False)
+
+    def logs_tail(self, name: str, lines: int = 50) -> str:
+        return self._call(
+            f"read logs of {name}",
+            lambda: self._client.api.logs(name, stdout=True, stderr=True, tail=lines).decode(
+                "utf-8", "replace"
+            ),
+        )
+
+    def wait(self, name: str, timeout_s: float) -> int | None:
+        """Wait for the container to exit: its exit code, or None if running at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            info = self.get(name)
+            if info is None or not info.running:
+                return info.exit_code if info else None
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(min(0.2, max(deadline - time.monotonic(), 0)))
+
+    def exec_runner(self, container: str) -> ContainerExecRunner:
+        return ContainerExecRunner(self, container)
+
+    def _exec(
+        self,
+        container: str,
+        argv: tuple[str, ...],
+        env: dict[str, str],
+        timeout: float,
+        capture: OutputCapture,
+    ) -> tuple[int | None, bool]:
+        deadline = time.monotonic() + timeout
+        api = self._client.api
+
+        def run() -> tuple[int | None, bool]:
+            exec_id = api.exec_create(container, list(argv), environment=env or None)["Id"]
+            for out, err in api.exec_start(exec_id, stream=True, demux=True):
+                if out:
+                    capture.feed("stdout", out)
+                if err:
+                    capture.feed("stderr", err)
+                if time.monotonic() > deadline:
+                    return None, True
+            return api.exec_inspect(exec_id)["ExitCode"], False
+
+        return self._call(f"exec in {container}", run, retry=False)
+
+
+class ContainerExecRunner(Runner):
+    """Runs argv inside a running container (``docker exec``): argv goes as a list, no shell.
+
+    The timeout is checked as output arrives; a command that prints nothing is bounded by the
+    Docker client's read timeout.
+    """
+
+    def __init__(self, docker_node: NodeDocker, container: str) -> None:
+        super().__init__(f"{docker_node.node}/{container}")
+        self._docker = docker_node
+        self.container = container
+
+    def _execute(
+        self,
+        argv: tuple[str, ...],
+        *,
+        env: dict[str, str],
+        stdin: bytes | None,
+        timeout: float,
+        capture: OutputCapture,
+    ) -> tuple[int | None, bool]:
+        if stdin is not None:
+            raise ValueError("stdin is not supported by docker exec here")
+        return self._docker._exec(self.container, argv, env, timeout, capture)
+
+
+def _ignore_missing(fn: Callable[[], object]) -> None:
+    with contextlib.suppress(docker.errors.NotFound):
+        fn()
+
+
+def _info(container: Container) -> ContainerInfo:
+    attrs = container.attrs
+    state = attrs.get("State", {})
+    return ContainerInfo(
+        id=container.id,
+        name=container.name,
+        image=attrs.get("Config", {}).get("Image", ""),
+        status=state.get("Status", "unknown"),
+        restart_policy=attrs.get("HostConfig", {}).get("RestartPolicy", {}).get("Name") or "no",
+        labels=attrs.get("Config", {}).get("Labels") or {},
+        exit_code=state.get("ExitCode") if state.get("Status") in ("exited", "dead") else None,
+        oom_killed=bool(state.get("OOMKilled")),
+    )
+
+
+def _plain(exc: docker.errors.DockerException) -> str:
+    if isinstance(exc, docker.errors.APIError):
+        return str(exc.explanation or exc)
+    return str(exc)
+
+
+__all__ = [
+    "CommandResult",
+    "ContainerExecRunner",
+    "ContainerInfo",
+    "ContainerSpec",
+    "DockerError",
+    "NodeDocker",
+    "docker_client_for",
+    "project_labels",
+]

@@ -1,0 +1,135 @@
+"""The one interface for running a command on a node; transports supply the primitives.
+
+``Runner.run`` owns the lifecycle (validation, timing, streaming, check); a transport only
+implements ``_execute``. Nothing here knows about Prefect: the task layer passes ``on_line``
+to route output to its logger.
+"""
+
+from __future__ import annotations
+
+import codecs
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Self
+
+from vllm_redeploy.nodes.errors import CommandFailed, CommandTimedOut
+from vllm_redeploy.nodes.result import CommandResult, Stream
+
+LineCallback = Callable[[str, Stream], None]
+DEFAULT_TIMEOUT_S = 60.0
+CHECK_TIMEOUT_S = 5.0
+
+
+class OutputCapture:
+    """Collects a command's output and hands each complete line to ``on_line`` as it arrives."""
+
+    def __init__(self, on_line: LineCallback | None) -> None:
+        self._on_line = on_line
+        self._decoders = {s: codecs.getincrementaldecoder("utf-8")("replace") for s in _STREAMS}
+        self._text: dict[Stream, list[str]] = {s: [] for s in _STREAMS}
+        self._partial: dict[Stream, str] = {s: "" for s in _STREAMS}
+
+    def feed(self, stream: Stream, data: bytes, final: bool = False) -> None:
+        text = self._decoders[stream].decode(data, final=final)
+        if not text:
+            return
+        self._text[stream].append(text)
+        if self._on_line is None:
+            return
+        *lines, self._partial[stream] = (self._partial[stream] + text).split("\n")
+        for line in lines:
+            self._on_line(line.rstrip("\r"), stream)
+
+    def finish(self) -> None:
+        for stream in _STREAMS:
+            self.feed(stream, b"", final=True)
+            if self._on_line is not None and self._partial[stream]:
+                self._on_line(self._partial[stream], stream)
+                self._partial[stream] = ""
+
+    def text(self, stream: Stream) -> str:
+        return "".join(self._text[stream])
+
+
+_STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
+
+
+class Runner(ABC):
+    """Runs argv on one node. Use as a context manager, or call ``close()``."""
+
+    def __init__(self, node: str, secrets: Sequence[str] = ()) -> None:
+        self.node = node
+        # Values masked in every message that renders a command (defence in depth: secrets
+        # travel by stdin or files, never by argv).
+        self.secrets = tuple(s for s in secrets if s)
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        check: bool = True,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | None = None,
+        on_line: LineCallback | None = None,
+    ) -> CommandResult:
+        """Run argv and return its result.
+
+        ``timeout`` is wall-clock seconds. ``check=False`` only silences a non-zero exit:
+        a timeout (``CommandTimedOut``) or an unreachable node (``NodeUnreachable``) always raise.
+        """
+        argv = tuple(argv)
+        if not argv or not all(isinstance(a, str) for a in argv):
+            raise TypeError(f"argv must be a non-empty sequence of str, got {argv!r}")
+        capture = OutputCapture(on_line)
+        started = time.monotonic()
+        exit_code, timed_out = self._execute(
+            argv, env=dict(env or {}), stdin=stdin, timeout=timeout, capture=capture
+        )
+        capture.finish()
+        result = CommandResult(
+            node=self.node,
+            argv=argv,
+            exit_code=exit_code,
+            stdout=capture.text("stdout"),
+            stderr=capture.text("stderr"),
+            duration_s=time.monotonic() - started,
+            timed_out=timed_out,
+        )
+        if timed_out:
+            raise CommandTimedOut(result, self.secrets)
+        if check and not result.ok:
+            raise CommandFailed(result, self.secrets)
+        return result
+
+    def check_connection(self, timeout: float = CHECK_TIMEOUT_S) -> float:
+        """Run ``true`` on the node; return the round-trip time in seconds."""
+        return self.run(["true"], timeout=timeout).duration_s
+
+    @abstractmethod
+    def _execute(
+        self,
+        argv: tuple[str, ...],
+        *,
+        env: dict[str, str],
+        stdin: bytes | None,
+        timeout: float,
+        capture: OutputCapture,
+    ) -> tuple[int | None, bool]:
+        """Run argv, feeding output to ``capture``; return (exit code, timed out)."""
+
+    def close(self) -> None:  # noqa: B027 - transports without a connection have nothing to do
+        """Release the connection, if the transport holds one."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,271 @@
+"""The SSH transport (paramiko), with host keys verified against known_hosts.
+
+One connection per node, opened lazily on the first command and reused; if it turns out to
+be dead when a command starts, it is reopened once. A connection that drops while a command
+runs is reported (``ConnectionLost``), not retried here: only the caller knows whether the
+command is safe to run twice.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shlex
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import paramiko
+
+from vllm_redeploy.nodes.errors import (
+    AuthenticationFailed,
+    ConnectionLost,
+    HostKeyRejected,
+    NodeUnreachable,
+)
+from vllm_redeploy.nodes.runner import OutputCapture, Runner
+
+EXIT_NO_STATUS = (
+    -1
+)  # paramiko's value when the remote side sent no exit status (killed by a signal)
+READ_CHUNK = 65536
+POLL_S = 0.5  # backstop for select(); data and channel close wake us at once
+
+
+@dataclass(frozen=True)
+class SSHTarget:
+    """Where and how to reach one node over SSH."""
+
+    host: str
+    port: int = 22
+    user: str | None = None
+    key_file: Path | None = None
+    key_passphrase: str | None = None
+    known_hosts: Path = Path("~/.ssh/known_hosts")
+    trust_on_first_use: bool = False
+    connect_timeout_s: float = 10.0
+    # Keepalive every 5 s; paramiko closes the transport when the peer stops answering,
+    # so a vanished node shows as a dead connection instead of a hang.
+    keepalive_s: int = 5
+
+    @property
+    def known_hosts_entry(self) -> str:
+        """How OpenSSH names this host in known_hosts."""
+        return self.host if self.port == 22 else f"[{self.host}]:{self.port}"
+
+
+class _RejectUnknownHost(paramiko.MissingHostKeyPolicy):
+    """Refuse an unknown host key, saying how to check and trust it."""
+
+    def __init__(self, node: str, target: SSHTarget) -> None:
+        self._node = node
+        self._target = target
+
+    def missing_host_key(
+        self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey
+    ) -> None:
+        known_hosts = self._target.known_hosts.expanduser()
+        port_flag = f"-p {self._target.port} " if self._target.port != 22 else ""
+        raise HostKeyRejected(
+            self._node,
+            f"its SSH host key ({key.get_name()} {key.fingerprint}) is not in {known_hosts}",
+            f"Check the fingerprint on the node (ssh-keygen -lf /etc/ssh/ssh_host_*_key.pub), "
+            f"then add it with `ssh-keyscan {port_flag}{self._target.host} >> {known_hosts}`, "
+            f"or set ssh.trust_on_first_use = true to record it on the first connection",
+        )
+
+
+class _RecordOnFirstUse(paramiko.MissingHostKeyPolicy):
+    """Trust-on-first-use: append an unknown host key to known_hosts. A changed key is still
+    refused, because paramiko raises BadHostKeyException before consulting any policy."""
+
+    def __init__(self, known_hosts: Path) -> None:
+        self._known_hosts = known_hosts
+
+    def missing_host_key(
+        self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey
+    ) -> None:
+        self._known_hosts.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self._known_hosts, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with os.fdopen(fd, "a") as f:
+            f.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+        client.get_host_keys().add(hostname, key.get_name(), key)
+
+
+class SSHRunner(Runner):
+    """Runs argv on a node over one reused SSH connection."""
+
+    def __init__(self, node: str, target: SSHTarget, secrets: tuple[str, ...] = ()) -> None:
+        super().__init__(
+            node, secrets + ((target.key_passphrase,) if target.key_passphrase else ())
+        )
+        self.target = target
+        self._client: paramiko.SSHClient | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        user = f"{self.target.user}@" if self.target.user else ""
+        port = f":{self.target.port}" if self.target.port != 22 else ""
+        return f"<SSHRunner {self.node} {user}{self.target.host}{port}>"
+
+    @property
+    def is_connected(self) -> bool:
+        transport = self._client.get_transport() if self._client else None
+        return bool(transport and transport.is_active())
+
+    def client(self) -> paramiko.SSHClient:
+        """The live paramiko client, connecting (or reconnecting) if needed."""
+        with self._lock:
+            if self._client is None or not self.is_connected:
+                self._drop()
+                self._client = self._connect()
+            return self._client
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _connect(self) -> paramiko.SSHClient:
+        t = self.target
+        known_hosts = t.known_hosts.expanduser()
+        client = paramiko.SSHClient()
+        if known_hosts.exists():
+            client.load_host_keys(str(known_hosts))
+        client.set_missing_host_key_policy(
+            _RecordOnFirstUse(known_hosts)
+            if t.trust_on_first_use
+            else _RejectUnknownHost(self.node, t)
+        )
+        try:
+            client.connect(
+                hostname=t.host,
+                port=t.port,
+                username=t.user,
+                key_filename=str(t.key_file.expanduser()) if t.key_file else None,
+                passphrase=t.key_passphrase,
+                allow_agent=True,
+                look_for_keys=t.key_file is None,
+                timeout=t.connect_timeout_s,
+                banner_timeout=t.connect_timeout_s,
+                auth_timeout=t.connect_timeout_s,
+                channel_timeout=t.connect_timeout_s,
+            )
+        except NodeUnreachable:
+            client.close()
+            raise
+        except paramiko.BadHostKeyException as exc:
+            client.close()
+            raise HostKeyRejected(
+                self.node,
+                f"its SSH host key CHANGED: known_hosts ({known_hosts}) expects "
+                f"{exc.expected_key.get_name()} {exc.expected_key.fingerprint}, the node offered "
+                f"{exc.key.get_name()} {exc.key.fingerprint}",
+                "If the node was reinstalled, check the new fingerprint on its console, then "
+                f"`ssh-keygen -R '{t.known_hosts_entry}' -f {known_hosts}` and trust the new key; "
+                "otherwise someone may be intercepting the connection",
+            ) from None
+        except paramiko.AuthenticationException as exc:
+            client.close()
+            key = f"key {t.key_file}" if t.key_file else "the agent's and default keys"
+            raise AuthenticationFailed(
+                self.node,
+                f"SSH authentication as {t.user or 'the current user'} failed with {key} ({exc})",
+                "Check nodes[].ssh_user and nodes[].ssh_key_file, and that the public key is in "
+                "the node's ~/.ssh/authorized_keys",
+            ) from None
+        except paramiko.ssh_exception.NoValidConnectionsError as exc:
+            client.close()
+            raise NodeUnreachable(
+                self.node,
+                f"connection refused at {t.host}:{t.port} ({_first_reason(exc)})",
+                "Is the node up and sshd running on that port?",
+            ) from None
+        except TimeoutError:
+            client.close()
+            raise NodeUnreachable(
+                self.node,
+                f"no answer from {t.host}:{t.port} within {t.connect_timeout_s:g} s",
+                "Is the node powered on and the address right?",
+            ) from None
+        except socket.gaierror as exc:
+            client.close()
+            raise NodeUnreachable(
+                self.node, f"cannot resolve {t.host!r} ({exc.strerror})"
+            ) from None
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            client.close()
+            raise NodeUnreachable(self.node, f"SSH to {t.host}:{t.port} failed: {exc}") from None
+        transport = client.get_transport()
+        assert transport is not None
+        transport.set_keepalive(t.keepalive_s)
+        return client
+
+    def _open_channel(self) -> paramiko.Channel:
+        """A new session channel, reconnecting once if the cached connection has died."""
+        for attempt in (1, 2):
+            transport = self.client().get_transport()
+            try:
+                assert transport is not None
+                return transport.open_session(timeout=self.target.connect_timeout_s)
+            except (paramiko.SSHException, EOFError, OSError, AssertionError) as exc:
+                self.close()
+                if attempt == 2:
+                    raise NodeUnreachable(self.node, f"cannot open an SSH session: {exc}") from None
+        raise AssertionError("unreachable")
+
+    def _execute(
+        self,
+        argv: tuple[str, ...],
+        *,
+        env: dict[str, str],
+        stdin: bytes | None,
+        timeout: float,
+        capture: OutputCapture,
+    ) -> tuple[int | None, bool]:
+        deadline = time.monotonic() + timeout
+        channel = self._open_channel()
+        try:
+            # sshd drops protocol env unless AcceptEnv allows it, so env is inlined with `env`.
+            # The whole line is quoted by shlex.join: the remote login shell sees one word per arg.
+            prefix = ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
+            channel.exec_command(shlex.join([*prefix, *argv]))
+            if stdin is not None:
+                channel.sendall(stdin)
+            channel.shutdown_write()
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None, True
+                select.select([channel], [], [], min(remaining, POLL_S))
+                while channel.recv_ready():
+                    capture.feed("stdout", channel.recv(READ_CHUNK))
+                while channel.recv_stderr_ready():
+                    capture.feed("stderr", channel.recv_stderr(READ_CHUNK))
+                if channel.exit_status_ready() and not (
+                    channel.recv_ready() or channel.recv_stderr_ready()
+                ):
+                    break
+            status = channel.recv_exit_status()
+            if status == EXIT_NO_STATUS and not self.is_connected:
+                raise ConnectionLost(
+                    self.node, "the SSH connection dropped while the command ran", ""
+                )
+            return status, False
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            self.close()
+            raise ConnectionLost(self.node, f"the SSH connection dropped: {exc}", "") from None
+        finally:
+            channel.close()
+
+
+def _first_reason(exc: paramiko.ssh_exception.NoValidConnectionsError) -> str:
+    for error in exc.errors.values():
+        return error.strerror or str(error)
+    return str(exc)
