@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.testbed.bed import TestBed
 from tests.testbed.dockerd import DockerEngine
 from tests.testbed.sshd import SSHServer, keygen
 from vllm_redeploy.nodes import SSHRunner, SSHTarget
@@ -91,3 +92,13 @@ def _no_user_env() -> Iterator[None]:
     saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("VLLM_REDEPLOY_")}
     yield
     os.environ.update(saved)
+
+
+@pytest.fixture(scope="session")
+def bed() -> Iterator[TestBed]:
+    """Two emulated GPU nodes (sshd + dockerd each, the bed image, the old autostart stack)."""
+    _need("dockerd")
+    _need("/usr/sbin/sshd")
+    testbed = TestBed.up(2, "h200", Path(tempfile.mkdtemp(prefix="vrd-bed-", dir="/tmp")))
+    yield testbed
+    testbed.down()

@@ -237,6 +237,18 @@ class VLLMConfig(_Section):
 
 class RayConfig(_Section):
     port: Port = Field(6379, description="Ray head (GCS) port.")
+    extra_args: list[str] = Field(
+        default_factory=list,
+        description="More `ray start` arguments on every node, e.g. --object-store-memory=...",
+    )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _one_line_each(cls, args: list[str]) -> list[str]:
+        for arg in args:
+            if "\n" in arg or "\0" in arg:
+                raise ValueError(f"{arg!r} contains a newline or NUL byte")
+        return args
 
 
 class AutostartConfig(_Section):

@@ -7,7 +7,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.testbed.procs import free_port, spawn, stop, wait_until
+from tests.testbed.procs import free_port, kill_tree, spawn, wait_until
 
 SSHD = "/usr/sbin/sshd"
 
@@ -31,7 +31,7 @@ class SSHServer:
     env: dict[str, str] = field(default_factory=dict)
     port: int = 0
     host_key: Path | None = None
-    _proc: subprocess.Popen[bytes] | None = None
+    pid: int = 0
 
     def start(self) -> SSHServer:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -64,18 +64,13 @@ class SSHServer:
                 ]
             )
         )
-        self._proc = spawn([SSHD, "-D", "-e", "-f", str(config)], self.root / "sshd.log")
+        self.pid = spawn([SSHD, "-D", "-e", "-f", str(config)], self.root / "sshd.log").pid
         wait_until(self._banner, 10, f"sshd on {self.host}:{self.port}", self.root / "sshd.log")
         return self
 
     def _banner(self) -> bool:
         with socket.create_connection((self.host, self.port), timeout=1) as s:
             return s.recv(64).startswith(b"SSH-2.0")
-
-    @property
-    def pid(self) -> int:
-        assert self._proc is not None
-        return self._proc.pid
 
     def known_hosts_line(self) -> str:
         assert self.host_key is not None
@@ -91,6 +86,7 @@ class SSHServer:
         return len(pids)
 
     def stop(self) -> None:
-        if self._proc is not None:
-            stop(self._proc)
-            self._proc = None
+        """Stop the listener and every session it serves (as at power-off)."""
+        if self.pid:
+            kill_tree(self.pid, grace=5)
+            self.pid = 0

@@ -1,0 +1,204 @@
+"""The test bed itself: emulated nodes with real sshd, Docker and Ray."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.testbed import image
+from tests.testbed.bed import TestBed
+from vllm_redeploy.config import ClusterConfig, load_config
+from vllm_redeploy.nodes import (
+    ContainerSpec,
+    HostKeyRejected,
+    NodeAccess,
+    project_labels,
+)
+from vllm_redeploy.nodes.docker import LABEL_CLUSTER
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def config(bed: TestBed) -> ClusterConfig:
+    return load_config(bed.config_path, env_file=None)
+
+
+@pytest.fixture
+def access(config: ClusterConfig) -> Iterator[dict[str, NodeAccess]]:
+    nodes = {n.name: NodeAccess(n, config) for n in config.nodes}
+    yield nodes
+    for node in nodes.values():
+        node.close()
+
+
+def test_nodes_are_reachable_over_ssh_with_their_own_login_env(
+    access: dict[str, NodeAccess], bed: TestBed
+) -> None:
+    for name, node in access.items():
+        result = node.runner.run(
+            ["sh", "-c", 'command -v nvidia-smi; echo "$DOCKER_HOST"'], timeout=10
+        )
+        emulated = bed.node(name)
+        assert result.stdout.splitlines() == [
+            str(emulated.bin_dir / "nvidia-smi"),
+            emulated.engine.url,
+        ]
+
+
+def test_host_keys_are_checked(config: ClusterConfig, tmp_path: Path) -> None:
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    strict = config.model_copy(update={"ssh": config.ssh.model_copy(update={"known_hosts": empty})})
+    with NodeAccess(strict.nodes[1], strict) as node, pytest.raises(HostKeyRejected):
+        node.runner.run(["true"], timeout=10)
+
+
+def test_each_node_has_its_own_docker_engine(
+    access: dict[str, NodeAccess], config: ClusterConfig
+) -> None:
+    name = f"only-on-1-{uuid.uuid4().hex[:6]}"
+    one, two = access["node-1"].docker, access["node-2"].docker
+    one.run_detached(ContainerSpec(name=name, image=image.OLD_STACK_IMAGE, command=["sleep", "60"]))
+    try:
+        assert one.get(name) is not None and two.get(name) is None
+        assert one.image_id(config.vllm.image) == two.image_id(config.vllm.image) is not None
+    finally:
+        one.remove(name)
+
+
+def test_the_old_stack_autostarts_on_every_node(access: dict[str, NodeAccess]) -> None:
+    for node in access.values():
+        names = {c.name: c for c in node.docker.list_containers(["glm-*"])}
+        assert set(names) == {"glm-server", "glm-proxy"} and all(c.running for c in names.values())
+        assert names["glm-proxy"].restart_policy == "unless-stopped"
+        unit = node.runner.run(
+            ["systemctl", "is-active", "glm-server.service"], timeout=10, check=False
+        )
+        assert (unit.exit_code, unit.stdout) == (0, "active\n")
+
+
+def test_systemctl_standin_stops_and_disables_like_systemd(
+    access: dict[str, NodeAccess], bed: TestBed
+) -> None:
+    node = access["node-2"]
+    run = node.runner.run
+    try:
+        run(["systemctl", "stop", "glm-server.service"], timeout=20)
+        assert (
+            run(["systemctl", "is-active", "glm-server.service"], timeout=10, check=False).exit_code
+            == 3
+        )
+        assert node.docker.get("glm-server") is None
+        run(["systemctl", "disable", "glm-server.service"], timeout=10)
+        disabled = run(["systemctl", "is-enabled", "glm-server.service"], timeout=10, check=False)
+        assert (disabled.exit_code, disabled.stdout) == (1, "disabled\n")
+        missing = run(["systemctl", "stop", "nope.service"], timeout=10, check=False)
+        assert missing.exit_code == 5 and "Unit nope.service not loaded." in missing.stderr
+    finally:
+        run(["systemctl", "enable", "glm-server.service"], timeout=10)
+        run(["systemctl", "start", "glm-server.service"], timeout=20)
+
+
+def ray_spec(config: ClusterConfig, node_index: int, cluster: str) -> ContainerSpec:
+    node = config.nodes[node_index]
+    head = config.head
+    role = (
+        ["--head", f"--port={config.ray.port}", "--include-dashboard=false"]
+        if node is head
+        else [f"--address={head.ip}:{config.ray.port}"]
+    )
+    return ContainerSpec(
+        name=f"ray-{cluster}",
+        image=config.vllm.image,
+        command=[
+            "ray",
+            "start",
+            "--block",
+            "--disable-usage-stats",
+            f"--node-ip-address={node.ip}",
+            f"--num-gpus={node.gpus}",
+            *config.ray.extra_args,
+            *role,
+        ],
+        env={"VLLM_HOST_IP": node.ip, **config.vllm.env},
+        volumes=config.vllm.volumes,
+        labels=project_labels(cluster, "ray"),
+        shm_size=config.vllm.shm_size,
+    )
+
+
+@pytest.fixture
+def ray_cluster(access: dict[str, NodeAccess], config: ClusterConfig) -> Iterator[str]:
+    cluster = f"t{uuid.uuid4().hex[:6]}"
+    try:
+        for index, node in enumerate(config.nodes):
+            access[node.name].docker.run_detached(ray_spec(config, index, cluster))
+        yield cluster
+    finally:
+        for node in access.values():
+            with contextlib.suppress(Exception):
+                node.docker.remove(f"ray-{cluster}")
+
+
+def test_ray_cluster_forms_across_the_nodes(
+    access: dict[str, NodeAccess], config: ClusterConfig, ray_cluster: str
+) -> None:
+    head = access[config.head.name].docker.exec_runner(f"ray-{ray_cluster}")
+    probe = (
+        "import ray; ray.init(address='auto', logging_level='ERROR'); "
+        "print(sorted((n['NodeManagerAddress'], n['Resources'].get('GPU', 0)) "
+        "for n in ray.nodes() if n['Alive']))"
+    )
+    deadline = time.monotonic() + 60
+    seen = ""
+    while time.monotonic() < deadline:
+        result = head.run(["python3", "-c", probe], timeout=30, check=False)
+        seen = result.stdout.strip()
+        if seen == str(sorted((n.ip, float(n.gpus)) for n in config.nodes)):
+            break
+        time.sleep(1)
+    assert seen == str(sorted((n.ip, float(n.gpus)) for n in config.nodes))
+    mine = access["node-2"].docker.list_containers(labels={LABEL_CLUSTER: ray_cluster})
+    assert [c.name for c in mine] == [f"ray-{ray_cluster}"]
+
+
+def test_reboot_brings_autostart_back_and_nothing_else(
+    access: dict[str, NodeAccess], config: ClusterConfig, ray_cluster: str, bed: TestBed
+) -> None:
+    node = access["node-2"]
+    assert node.docker.get(f"ray-{ray_cluster}").running  # type: ignore[union-attr]
+    bed.reboot("node-2")
+    # The old connection died with the node; the runner reconnects by itself.
+    assert node.runner.run(["true"], timeout=10).ok
+    restarted = {c.name: c.running for c in node.docker.list_containers(["glm-*"])}
+    assert restarted == {"glm-server": True, "glm-proxy": True}
+    ray = node.docker.get(f"ray-{ray_cluster}")
+    assert ray is not None and not ray.running  # restart policy "no": runtime state is gone
+    assert access["node-1"].docker.get(f"ray-{ray_cluster}").running  # type: ignore[union-attr]
+
+
+def test_nvidia_smi_on_each_node_shows_that_nodes_gpu_processes(
+    access: dict[str, NodeAccess], bed: TestBed
+) -> None:
+    query = [
+        "nvidia-smi",
+        "--query-compute-apps=pid,process_name,used_memory",
+        "--format=csv,noheader,nounits",
+    ]
+    holder = bed.node("node-2").hold_gpu(20998, "python3")
+    try:
+        assert access["node-1"].runner.run(query, timeout=10).stdout == ""
+        listed = access["node-2"].runner.run(query, timeout=10).stdout
+        assert listed == f"{holder.pid}, python3, 20998\n"
+        table = access["node-2"].runner.run(["nvidia-smi"], timeout=10).stdout
+        assert "NVIDIA H200" in table and str(holder.pid) in table
+    finally:
+        holder.kill()
+        holder.wait()
+    assert access["node-2"].runner.run(query, timeout=10).stdout == ""

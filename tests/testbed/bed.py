@@ -1,0 +1,212 @@
+"""The test bed: N emulated GPU nodes on loopback addresses, and a cluster.toml for them.
+
+State lives under one root directory (``bed.json`` records the nodes and daemon PIDs), so the
+CLI can bring the bed up in one process and reboot or remove it from another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.testbed import image
+from tests.testbed.node import EmulatedNode, NodeSpec
+from tests.testbed.sshd import keygen
+
+DEFAULT_ROOT = Path("/tmp/vrd-bed")
+FIRST_IP = 11  # node-1 is 127.0.0.11, node-2 127.0.0.12, ...
+MAX_NODES = 8
+SERVED_NAME = "Qwen3.5-122B-A10B-FP8"
+GPU_TOTAL_MIB = {"h200": 143771, "gb10": 124610}
+
+
+@dataclass
+class TestBed:
+    __test__ = False  # not a pytest test class
+
+    root: Path = DEFAULT_ROOT
+    gpu: str = "h200"
+    nodes: list[EmulatedNode] = field(default_factory=list)
+    bring_up_s: float = 0.0
+
+    @property
+    def client_key(self) -> Path:
+        return self.root / "id_controller"
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.root / "known_hosts"
+
+    @property
+    def config_path(self) -> Path:
+        return self.root / "cluster.toml"
+
+    @property
+    def model_dir(self) -> Path:
+        return self.root / "models" / SERVED_NAME
+
+    def node(self, name: str) -> EmulatedNode:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(
+            f"no node {name!r} in the bed; nodes: {', '.join(n.name for n in self.nodes)}"
+        )
+
+    # --- life cycle -------------------------------------------------------------------------
+
+    @classmethod
+    def up(
+        cls, nodes: int = 2, gpu: str = "h200", root: Path = DEFAULT_ROOT, old_stack: bool = True
+    ) -> TestBed:
+        if not 1 <= nodes <= MAX_NODES:
+            raise ValueError(f"--nodes must be 1..{MAX_NODES}, got {nodes}")
+        if (root / "bed.json").exists():
+            raise RuntimeError(
+                f"a bed already runs at {root}: `python -m tests.testbed down` first"
+            )
+        started = time.monotonic()
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        bed = cls(root=root, gpu=gpu)
+        keygen(bed.client_key)
+        bed.model_dir.mkdir(parents=True)
+        (bed.model_dir / "config.json").write_text('{"architectures": ["Qwen3_5MoeForCausalLM"]}\n')
+        bed.nodes = [
+            EmulatedNode(
+                NodeSpec(
+                    f"node-{i}",
+                    f"127.0.0.{FIRST_IP + i - 1}",
+                    str(root / f"n{i}"),
+                    str(root / "gpu" / f"127.0.0.{FIRST_IP + i - 1}"),
+                )
+            )
+            for i in range(1, nodes + 1)
+        ]
+        try:
+            bed._parallel(lambda n: n.create(gpu, 1))
+            bed._parallel(lambda n: n.start(bed.client_key))
+            bed._install_images()
+            if old_stack:
+                bed.install_old_stack()
+            bed.known_hosts.write_text("".join(n.sshd.known_hosts_line() for n in bed.nodes))
+            bed.write_config()
+            bed.save()
+        except BaseException:
+            bed.down()
+            raise
+        bed.bring_up_s = time.monotonic() - started
+        return bed
+
+    def _parallel(self, fn) -> None:  # type: ignore[no-untyped-def]
+        with ThreadPoolExecutor(max_workers=len(self.nodes)) as pool:
+            list(pool.map(fn, self.nodes))
+
+    def _install_images(self) -> None:
+        """Import once on the first node; copy to the others by save/load (same image IDs)."""
+        first = self.nodes[0].engine
+        first.import_rootfs(image.rootfs(), image.BED_IMAGE, image.image_changes())
+        first.import_busybox(image.OLD_STACK_IMAGE)
+        bundles = [first.save(image.BED_IMAGE), first.save(image.OLD_STACK_IMAGE)]
+        for node in self.nodes[1:]:
+            for bundle in bundles:
+                node.engine.load(bundle)
+
+    def install_old_stack(self) -> None:
+        """What the user's boxes run after a reboot: a previous model's stack that auto-starts,
+        from a systemd unit (glm-server) and a restart policy (glm-proxy), on every node."""
+        for node in self.nodes:
+            node.define_unit(
+                "glm-server.service", "glm-server", image.OLD_STACK_IMAGE, ["sleep", "999999"]
+            )
+            node.systemctl("start", "glm-server.service")
+            with contextlib.closing(node.engine.client()) as client:
+                client.containers.run(
+                    image.OLD_STACK_IMAGE,
+                    ["sleep", "999999"],
+                    name="glm-proxy",
+                    detach=True,
+                    network_mode="host",
+                    restart_policy={"Name": "unless-stopped"},
+                )
+
+    def reboot(self, name: str) -> None:
+        node = self.node(name)
+        node.reboot(self.client_key)
+        self.save()
+
+    def down(self) -> None:
+        if self.nodes:
+            self._parallel(lambda n: n.destroy())
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    # --- records ------------------------------------------------------------------------------
+
+    def save(self) -> None:
+        data = {"gpu": self.gpu, "nodes": [n.record() for n in self.nodes]}
+        (self.root / "bed.json").write_text(json.dumps(data, indent=1))
+
+    @classmethod
+    def load(cls, root: Path = DEFAULT_ROOT) -> TestBed:
+        path = root / "bed.json"
+        if not path.exists():
+            raise RuntimeError(f"no bed at {root}: `python -m tests.testbed up` first")
+        data = json.loads(path.read_text())
+        nodes = [EmulatedNode(NodeSpec(**spec)) for spec in data["nodes"]]
+        return cls(root=root, gpu=data["gpu"], nodes=nodes)
+
+    def write_config(self) -> Path:
+        """A cluster.toml describing the bed the way an operator describes real nodes."""
+        lines = ['name = "bed"', ""]
+        for node in self.nodes:
+            lines += [
+                "[[nodes]]",
+                f'name = "{node.name}"',
+                f'address = "{node.ip}"',
+                f"ssh_port = {node.spec.ssh_port}",
+                'ssh_user = "root"',
+                "gpus = 1",
+                "",
+            ]
+        volumes = [*image.runtime_mounts(), f"{self.root}:{self.root}"]
+        lines += [
+            "[ssh]",
+            f'key_file = "{self.client_key}"',
+            f'known_hosts = "{self.known_hosts}"',
+            "connect_timeout_s = 5",
+            "",
+            "[vllm]",
+            f'image = "{image.BED_IMAGE}"',
+            f'model = "{self.model_dir}"',
+            f'served_model_name = "{SERVED_NAME}"',
+            "port = 30000",
+            f"tensor_parallel_size = {len(self.nodes)}",
+            'reasoning_parser = "qwen3"',
+            "gpu_device_request = false  # the bed has no GPUs; the stand-ins emulate them",
+            'shm_size = "256m"',
+            "volumes = [" + ", ".join(f'"{v}"' for v in volumes) + "]",
+            "",
+            "[vllm.env]",
+            f'VRD_BED_ROOT = "{self.root}"',
+            f'VRD_GPU_TOTAL_MIB = "{GPU_TOTAL_MIB[self.gpu]}"',
+            'VRD_LOAD_SECONDS = "3"',
+            "",
+            "[ray]",
+            'extra_args = ["--num-cpus=1", "--object-store-memory=78643200"]',
+            "",
+            "[autostart]",
+            'containers = ["glm-*"]',
+            'units = ["glm-server.service"]',
+            "",
+            "[deadlines]",
+            "model_load_s = 120",
+            "nodes_reachable_s = 60",
+            "",
+        ]
+        self.config_path.write_text("\n".join(lines))
+        return self.config_path

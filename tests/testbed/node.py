@@ -1,0 +1,150 @@
+"""One emulated GPU node: its own sshd (loopback address), Docker engine, GPU state and units."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tests.testbed.dockerd import DockerEngine
+from tests.testbed.sshd import SSHServer, keygen
+from tests.testbed.standins import gpu_state, systemctl
+
+STANDINS = Path(__file__).resolve().parent / "standins"
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+@dataclass
+class NodeSpec:
+    """What the bed records about a node (in bed.json): enough to find and stop it later."""
+
+    name: str
+    ip: str
+    root: str
+    gpu_dir: str
+    ssh_port: int = 0
+    sshd_pid: int = 0
+    dockerd_pid: int = 0
+
+
+class EmulatedNode:
+    def __init__(self, spec: NodeSpec) -> None:
+        self.spec = spec
+        self.root = Path(spec.root)
+        self.gpu_dir = Path(spec.gpu_dir)
+        self.engine = DockerEngine(self.root / "d", pid=spec.dockerd_pid)
+        self.sshd = SSHServer(
+            self.root / "sshd",
+            spec.ip,
+            [],
+            port=spec.ssh_port,
+            host_key=self.root / "ssh_host_ed25519_key",
+            pid=spec.sshd_pid,
+        )
+
+    name = property(lambda self: self.spec.name)
+    ip = property(lambda self: self.spec.ip)
+
+    @property
+    def bin_dir(self) -> Path:
+        return self.root / "bin"
+
+    @property
+    def units_dir(self) -> Path:
+        return self.root / "units"
+
+    def env(self) -> dict[str, str]:
+        """The node's login environment: what its sshd gives every session."""
+        return {
+            "PATH": f"{self.bin_dir}:{SYSTEM_PATH}",
+            "DOCKER_HOST": self.engine.url,
+            "VRD_GPU_STATE": str(self.gpu_dir),
+            "VRD_UNITS_DIR": str(self.units_dir),
+        }
+
+    def create(self, gpu_profile: str, gpus: int) -> None:
+        self.units_dir.mkdir(parents=True, exist_ok=True)
+        gpu_state.write_config(self.gpu_dir, gpu_profile, gpus)
+        self.bin_dir.mkdir(exist_ok=True)
+        for tool, script in (("nvidia-smi", "nvidia_smi.py"), ("systemctl", "systemctl.py")):
+            wrapper = self.bin_dir / tool
+            wrapper.write_text(
+                "#!/bin/sh\n"
+                f"export VRD_GPU_STATE={self.gpu_dir} VRD_UNITS_DIR={self.units_dir}\n"
+                f'exec {sys.executable} {STANDINS / script} "$@"\n'
+            )
+            wrapper.chmod(0o755)
+        keygen(self.root / "ssh_host_ed25519_key")
+
+    def start(self, client_key: Path) -> None:
+        """Power on: the Docker engine (restart policies apply), sshd, then enabled units."""
+        self.engine.start()
+        self.sshd.authorized_keys = [client_key]
+        self.sshd.env = self.env()
+        self.sshd.start()
+        self.spec.dockerd_pid, self.spec.ssh_port, self.spec.sshd_pid = (
+            self.engine.pid,
+            self.sshd.port,
+            self.sshd.pid,
+        )
+        for unit_file in sorted(self.units_dir.glob("*.json")):
+            if json.loads(unit_file.read_text())["enabled"]:
+                self.systemctl("start", unit_file.stem)
+
+    def systemctl(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(self.bin_dir / "systemctl"), *args],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **self.env()},
+            check=False,
+        )
+
+    def define_unit(self, unit: str, container: str, image: str, command: list[str]) -> None:
+        systemctl.define(self.units_dir, unit, container, image, command)
+
+    def hold_gpu(self, mib: int, name: str = "python3") -> subprocess.Popen[str]:
+        """Start a stray process on this node that holds ``mib`` of GPU memory until killed."""
+        proc = subprocess.Popen(
+            [sys.executable, str(STANDINS / "gpu_state.py"), str(self.gpu_dir), str(mib), name],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        assert proc.stdout is not None and proc.stdout.readline() == "holding\n"
+        return proc
+
+    def power_off(self) -> None:
+        """Everything running on the node stops: SSH sessions, the engine with its containers,
+        processes holding its GPUs. Files (units, images, GPU config) stay."""
+        for unit_file in self.units_dir.glob("*.json"):
+            data = json.loads(unit_file.read_text())
+            data["active"] = False
+            unit_file.write_text(json.dumps(data, indent=1))
+        self.sshd.stop()
+        self.engine.stop_engine()
+        static = {p["pid"] for p in gpu_state.read_config(self.gpu_dir)["static_processes"]}
+        for holder in gpu_state.live_processes(self.gpu_dir):
+            if holder.pid not in static:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(holder.pid, signal.SIGKILL)
+        self.spec.sshd_pid = self.spec.dockerd_pid = 0
+
+    def reboot(self, client_key: Path) -> None:
+        self.power_off()
+        self.start(client_key)
+
+    def destroy(self) -> None:
+        self.power_off()
+        self.engine.remove_data()
+        shutil.rmtree(self.root, ignore_errors=True)
+        shutil.rmtree(self.gpu_dir, ignore_errors=True)
+
+    def record(self) -> dict:
+        return asdict(self.spec)
