@@ -1,0 +1,1250 @@
+"""vLLM stand-in: ``vllm serve MODEL [flags]`` without a GPU, shaped like vLLM 0.19.
+
+It parses vLLM's flags (unknown ones, ``--enable-reasoning`` included, fail like vLLM's argparse),
+logs in vLLM's format, binds the API port at once but listens only after the emulated weight load
+(so clients see "connection refused" meanwhile), then serves vLLM's OpenAI-compatible HTTP API with
+reasoning-shaped answers.
+
+With TP x PP > 1, or ``--distributed-executor-backend ray``, it joins the Ray cluster
+(``RAY_ADDRESS``, else "auto") and reserves one GPU per rank the way vLLM does: a placement group
+of ``{"GPU": 1}`` bundles whose first bundle is pinned to ``node:<VLLM_HOST_IP>``, waiting (and
+saying so in vLLM's words) while it cannot be placed. One Ray actor per rank holds "GPU memory"
+on its own node through :mod:`gpu_state`; if one dies, ``/health`` turns 503 and the server exits 1.
+
+Test-bed knobs (environment):
+
+- ``VRD_VLLM_VERSION`` (0.19.0), ``VRD_LOAD_SECONDS`` (2), ``VRD_SHARDS`` (4),
+  ``VRD_GPU_STATE`` (per node; unset: hold nothing), ``VRD_GPU_TOTAL_MIB`` (143771),
+  ``VRD_REASONING_FIELD`` = reasoning | reasoning_content | both,
+  ``VRD_PG_LOG_INTERVAL`` (10 s, doubling like vLLM), ``VRD_PG_WAIT_TIMEOUT`` (1800 s, vLLM's),
+  ``VRD_DEAD_EXIT_DELAY`` (3 s between a dead rank and the exit).
+- ``VRD_FAULT``: comma-separated ``name[:value]``: crash_during_load, exit_during_load:N, hang,
+  wrong_name:NAME, health_503, empty, slow:SECONDS, http_500, html_error, malformed_json.
+
+Only the standard library and Ray are imported (Ray lazily): this runs inside test containers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from tests.testbed.standins import gpu_state
+
+DEFAULT_VERSION = "0.19.0"
+DEFAULT_MAX_MODEL_LEN = 262144
+DEFAULT_GPU_TOTAL_MIB = 143771
+DEFAULT_MODEL = "Qwen/Qwen3-0.6B"  # what `vllm serve` loads when no model is named
+KNOWN_FAULTS = (
+    "crash_during_load",
+    "exit_during_load",
+    "hang",
+    "wrong_name",
+    "health_503",
+    "empty",
+    "slow",
+    "http_500",
+    "html_error",
+    "malformed_json",
+)
+REASONING_PARSERS = (
+    "deepseek_r1",
+    "deepseek_v3",
+    "ernie45",
+    "glm45",
+    "granite",
+    "hunyuan_a13b",
+    "kimi_k2",
+    "minimax_m2",
+    "minimax_m2_append_think",
+    "mistral",
+    "olmo3",
+    "openai_gptoss",
+    "qwen3",
+    "seed_oss",
+    "step3",
+)
+ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+
+
+# --------------------------------------------------------------------------- knobs
+
+
+def node_gpu_state(env: dict[str, str]) -> str | None:
+    """This node's GPU state: VRD_GPU_STATE, or inside the bed's containers (where only
+    cluster-wide settings reach) the bed's per-node directory, found by the node's fabric IP."""
+    if env.get(gpu_state.ENV_STATE):
+        return env[gpu_state.ENV_STATE]
+    if env.get("VRD_BED_ROOT") and env.get("VLLM_HOST_IP"):
+        return f"{env['VRD_BED_ROOT']}/gpu/{env['VLLM_HOST_IP']}"
+    return None
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Everything the test bed sets through the environment."""
+
+    version: str = DEFAULT_VERSION
+    load_seconds: float = 2.0
+    shards: int = 4
+    gpu_state_dir: str | None = None
+    gpu_total_mib: int = DEFAULT_GPU_TOTAL_MIB
+    reasoning_field: str = "reasoning"
+    pg_log_interval: float = 10.0
+    pg_wait_timeout: float = 1800.0
+    dead_exit_delay: float = 3.0
+    faults: dict[str, str | None] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Knobs:
+        # Read at call time: inside a Ray actor this must be that node's environment.
+        env = dict(os.environ) if env is None else env
+        field_mode = env.get("VRD_REASONING_FIELD", "reasoning")
+        if field_mode not in ("reasoning", "reasoning_content", "both"):
+            raise SystemExit(
+                f"VRD_REASONING_FIELD={field_mode!r}: use reasoning, reasoning_content or both"
+            )
+        return cls(
+            version=env.get("VRD_VLLM_VERSION", DEFAULT_VERSION),
+            load_seconds=float(env.get("VRD_LOAD_SECONDS", "2")),
+            shards=max(1, int(env.get("VRD_SHARDS", "4"))),
+            gpu_state_dir=node_gpu_state(env),
+            gpu_total_mib=int(env.get("VRD_GPU_TOTAL_MIB", str(DEFAULT_GPU_TOTAL_MIB))),
+            reasoning_field=field_mode,
+            pg_log_interval=float(env.get("VRD_PG_LOG_INTERVAL", "10")),
+            pg_wait_timeout=float(env.get("VRD_PG_WAIT_TIMEOUT", "1800")),
+            dead_exit_delay=float(env.get("VRD_DEAD_EXIT_DELAY", "3")),
+            faults=parse_faults(env.get("VRD_FAULT", "")),
+        )
+
+    def fault(self, name: str) -> bool:
+        return name in self.faults
+
+    def fault_value(self, name: str, default: str) -> str:
+        return self.faults.get(name) or default
+
+
+def parse_faults(spec: str) -> dict[str, str | None]:
+    faults: dict[str, str | None] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, value = item.partition(":")
+        if name not in KNOWN_FAULTS:
+            raise SystemExit(f"VRD_FAULT: unknown fault {name!r}; known: {', '.join(KNOWN_FAULTS)}")
+        faults[name] = value or None
+    return faults
+
+
+# --------------------------------------------------------------------------- logging
+
+
+class Log:
+    """vLLM's line format: ``(APIServer pid=N) INFO MM-DD HH:MM:SS [file.py:line] message``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.pid = os.getpid()
+
+    def write(self, text: str, stream: Any = None) -> None:
+        with self._lock:
+            out = stream or sys.stdout
+            out.write(text if text.endswith("\n") else text + "\n")
+            out.flush()
+
+    def _emit(self, proc: str, level: str, where: str, message: str) -> None:
+        stamp = time.strftime("%m-%d %H:%M:%S")
+        prefix = f"({proc} pid={self.pid}) {level} {stamp} [{where}] "
+        # vLLM's NewLineFormatter repeats the prefix on every line of a multi-line message.
+        self.write("\n".join(prefix + line for line in message.splitlines() or [""]))
+
+    def api(self, level: str, where: str, message: str) -> None:
+        self._emit("APIServer", level, where, message)
+
+    def engine(self, level: str, where: str, message: str) -> None:
+        self._emit("EngineCore_DP0", level, where, message)
+
+    def uvicorn(self, message: str, level: str = "INFO") -> None:
+        self.write(f"(APIServer pid={self.pid}) {level + ':':<9} {message}")
+
+
+def tqdm_line(done: int, total: int, elapsed: float) -> str:
+    """One refresh of vLLM's safetensors bar (tqdm with vLLM's bar_format)."""
+    percent = f"{100 * done / total:3.0f}%"
+    if done == 0 or elapsed <= 0:
+        timing = f"{_clock(elapsed)}<?, ?it/s"
+    else:
+        rate = done / elapsed
+        rate_text = f"{1 / rate:5.2f}s/it" if rate < 1 else f"{rate:5.2f}it/s"
+        timing = f"{_clock(elapsed)}<{_clock((total - done) / rate)}, {rate_text}"
+    return f"Loading safetensors checkpoint shards: {percent} Completed | {done}/{total} [{timing}]"
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours:d}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+class VllmArgumentParser(argparse.ArgumentParser):
+    """Like vLLM's FlexibleArgumentParser: ``--max_model_len`` means ``--max-model-len``."""
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
+        argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_args([_dash_flag(a) for a in argv], namespace)
+
+
+def _dash_flag(arg: str) -> str:
+    if not arg.startswith("--"):
+        return arg
+    key, eq, value = arg.partition("=")
+    return key.replace("_", "-") + eq + value
+
+
+def model_len(text: str) -> int:
+    """vLLM accepts 262144, 32k or 1m for --max-model-len."""
+    units = {"k": 1000, "m": 1000**2, "K": 1024, "M": 1024**2}
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def build_parser(version: str) -> VllmArgumentParser:
+    parser = VllmArgumentParser(prog="vllm", description="vLLM CLI")
+    parser.add_argument("-v", "--version", action="version", version=version)
+    commands = parser.add_subparsers(dest="subparser", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="Start the vLLM OpenAI Compatible API server.",
+        usage="vllm serve [model_tag] [options]",
+    )
+    add_serve_arguments(serve)
+    return parser
+
+
+def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("model_tag", nargs="?", default=None, help="The model tag to serve")
+    serve.add_argument("--host", default=None)
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--model", default=DEFAULT_MODEL)
+    serve.add_argument("--served-model-name", nargs="+", default=None)
+    serve.add_argument("--trust-remote-code", action="store_true")
+    serve.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "half", "float16", "bfloat16", "float", "float32"],
+    )
+    serve.add_argument("--max-model-len", type=model_len, default=None)
+    serve.add_argument("--load-format", default="auto")
+    serve.add_argument(
+        "--distributed-executor-backend",
+        default=None,
+        choices=["external_launcher", "mp", "ray", "uni"],
+    )
+    serve.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    serve.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    serve.add_argument("--swap-space", type=float, default=4)
+    serve.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc"],
+    )
+    serve.add_argument("--max-num-seqs", type=int, default=None)
+    serve.add_argument("--enforce-eager", action="store_true")
+    serve.add_argument("--reasoning-parser", default="", choices=["", *REASONING_PARSERS])
+
+
+def non_default_args(args: argparse.Namespace) -> dict[str, Any]:
+    """What vLLM logs at start-up: every serve argument that differs from its default."""
+    bare = argparse.ArgumentParser()
+    add_serve_arguments(bare)
+    defaults = vars(bare.parse_args([]))
+    return {k: v for k, v in vars(args).items() if k in defaults and v != defaults[k]}
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str
+    served_names: list[str]
+    host: str
+    port: int
+    tp: int
+    pp: int
+    backend: str | None
+    reasoning_parser: str
+    gpu_util: float
+    max_model_len: int
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def uses_ray(self) -> bool:
+        return self.backend == "ray" or (self.world_size > 1 and self.backend is None)
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    model = args.model_tag or args.model
+    args.model = model  # vLLM copies the positional tag into --model (and logs both)
+    return ServeConfig(
+        model=model,
+        served_names=list(args.served_model_name or [model]),
+        host=args.host or "0.0.0.0",
+        port=args.port,
+        tp=args.tensor_parallel_size,
+        pp=args.pipeline_parallel_size,
+        backend=args.distributed_executor_backend,
+        reasoning_parser=args.reasoning_parser,
+        gpu_util=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len or DEFAULT_MAX_MODEL_LEN,
+    )
+
+
+# --------------------------------------------------------------------------- the "model"
+
+THINKING = (
+    'Thinking Process:\n\n1. **Analyze the Request:**\n * Input: "{excerpt}"\n'
+    " * Task: Reply helpfully and concisely.\n"
+    " * Constraints: Keep it short, friendly, and accurate.\n\n2. **Identify the Core Need:**\n"
+    " * The user wants a direct reply, not a long explanation.\n"
+    " * A greeting fits because the message is short and conversational.\n\n"
+    '3. **Drafting the Response:**\n * Option A: "Hi." (Too terse.)\n'
+    ' * Option B: "Hello! How can I help you today?" (Friendly and open.)\n'
+    " * Option C: One warm sentence that greets the user and offers help.\n\n"
+    "4. **Review against Constraints:**\n * Is it one sentence? Yes.\n"
+    " * Is it polite and clear? Yes.\n * Does it avoid unnecessary detail? Yes.\n\n"
+    "5. **Final Polish:** Choose Option C and make it sound natural, warm, and brief.\n\n"
+    "6. **Final Output Generation:** (Matches the selected option.)"
+)
+ANSWER = "Hello! I'm a helpful AI assistant, and I'm happy to help with whatever you need today."
+THINK_START, THINK_END, EOS = "<think>", "</think>", "<|im_end|>"
+
+
+@dataclass(frozen=True)
+class Generation:
+    reasoning: str | None
+    content: str | None
+    finish_reason: str
+    completion_tokens: int
+
+
+def generate(prompt: str, max_tokens: int | None, parser: str, thinking: bool) -> Generation:
+    """Greedy, deterministic output; one whitespace-separated word is one token."""
+    think_words = THINKING.format(excerpt=_excerpt(prompt)).split(" ")
+    answer_words = ANSWER.split(" ")
+    if not thinking:
+        tokens = [*answer_words, EOS]
+    elif parser:
+        tokens = [*think_words, THINK_END, *answer_words, EOS]
+    else:
+        tokens = [THINK_START, *think_words, THINK_END, *answer_words, EOS]
+    produced = tokens if max_tokens is None else tokens[: max(0, max_tokens)]
+    finish = "stop" if produced and produced[-1] == EOS else "length"
+    reasoning, content = _split_reasoning(produced, parser if thinking else "")
+    return Generation(reasoning, content, finish, len(produced))
+
+
+def _split_reasoning(produced: list[str], parser: str) -> tuple[str | None, str | None]:
+    words = [w for w in produced if w != EOS]
+    if not parser:  # the raw text, tags included, as Qwen3 writes it
+        text = " ".join(words).replace(f"{THINK_START} ", f"{THINK_START}\n")
+        text = text.replace(f" {THINK_END}", f"\n{THINK_END}")
+        return None, text.replace(f"{THINK_END} ", f"{THINK_END}\n\n")
+    if THINK_END not in words:
+        return " ".join(words), None
+    cut = words.index(THINK_END)
+    return " ".join(words[:cut]), " ".join(words[cut + 1 :]) or None
+
+
+def _excerpt(prompt: str, words: int = 12) -> str:
+    parts = prompt.split()
+    return " ".join(parts[:words]) + (" ..." if len(parts) > words else "")
+
+
+def message_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def prompt_tokens(messages: list[dict[str, Any]]) -> int:
+    # Chat-template overhead: role markers per message plus the generation prompt.
+    return sum(len(message_text(m.get("content")).split()) + 4 for m in messages) + 3
+
+
+# --------------------------------------------------------------------------- GPU holding
+
+
+class FreeMemoryError(ValueError):
+    """Other processes hold the memory this rank wants."""
+
+
+def check_free_memory(
+    directory: Path, gpu: int, want_mib: int, total_mib: int, util: float
+) -> None:
+    """vLLM refuses to start when other processes hold the memory it wants."""
+    if not (directory / "config.json").exists():
+        return
+    held = sum(p.used_mib for p in gpu_state.live_processes(directory) if p.gpu == gpu)
+    free = total_mib - held
+    if free < want_mib:
+        gib = 1024.0
+        raise FreeMemoryError(
+            f"Free memory on device ({round(free / gib, 2)}/{round(total_mib / gib, 2)} GiB) on "
+            f"startup is less than desired GPU memory utilization ({util}, "
+            f"{round(want_mib / gib, 2)} GiB). Decrease GPU memory utilization or reduce GPU "
+            "memory used by other processes."
+        )
+
+
+def hold_gpu(knobs: Knobs, name: str, util: float, gpu: int = 0) -> gpu_state.Registration | None:
+    if not knobs.gpu_state_dir:
+        return None
+    directory = Path(knobs.gpu_state_dir)
+    want = int(util * knobs.gpu_total_mib)
+    check_free_memory(directory, gpu, want, knobs.gpu_total_mib, util)
+    return gpu_state.register(directory, name, want, gpu=gpu)
+
+
+class RayWorkerWrapper:
+    """One rank. Named like vLLM's actor so Ray's log prefixes read the same."""
+
+    def __init__(self, rank: int, tp: int, world: int, util: float) -> None:
+        import ray
+
+        knobs = Knobs.from_env()  # this node's environment, not the driver's
+        gpu_ids = ray.get_runtime_context().get_accelerator_ids().get("GPU") or ["0"]
+        self.gpu = int(gpu_ids[0])
+        stamp = time.strftime("%m-%d %H:%M:%S")
+        print(
+            f"INFO {stamp} [parallel_state.py:1208] rank {rank} in world size {world} is "
+            f"assigned as DP rank 0, PP rank {rank // tp}, TP rank {rank % tp}, EP rank {rank}",
+            flush=True,
+        )
+        self._hold = hold_gpu(knobs, "ray::RayWorkerWrapper", util, self.gpu)
+
+    def ping(self) -> int:
+        return os.getpid()
+
+
+# --------------------------------------------------------------------------- engine
+
+
+class EngineFailed(Exception):
+    """The engine could not start; the message is what vLLM would have logged."""
+
+
+@dataclass
+class Engine:
+    """Holds the GPU memory (locally or through Ray ranks) and watches it."""
+
+    config: ServeConfig
+    knobs: Knobs
+    log: Log
+    dead: threading.Event = field(default_factory=threading.Event)
+    holds: list[gpu_state.Registration] = field(default_factory=list)  # flocks live with these
+    actors: list[Any] = field(default_factory=list)
+
+    def start(self) -> None:
+        self.log.engine("INFO", "core.py:93", self._config_line())
+        if self.config.uses_ray:
+            RayRanks(self).start()
+        else:
+            self._hold_locally()
+
+    def _hold_locally(self) -> None:
+        world = self.config.world_size
+        for rank in range(world):
+            name = "VLLM::EngineCore" if world == 1 else f"VLLM::Worker_TP{rank}"
+            hold = hold_gpu(self.knobs, name, self.config.gpu_util, gpu=rank)
+            if hold is not None:
+                self.holds.append(hold)
+
+    def _config_line(self) -> str:
+        c = self.config
+        return (
+            f"Initializing a V1 LLM engine (v{self.knobs.version}) with config: model={c.model!r}, "
+            f"speculative_config=None, tokenizer={c.model!r}, skip_tokenizer_init=False, "
+            "tokenizer_mode=auto, revision=None, trust_remote_code=False, dtype=torch.bfloat16, "
+            f"max_seq_len={c.max_model_len}, download_dir=None, load_format=auto, "
+            f"tensor_parallel_size={c.tp}, pipeline_parallel_size={c.pp}, data_parallel_size=1, "
+            "disable_custom_all_reduce=False, enforce_eager=False, kv_cache_dtype=auto, "
+            "device_config=cuda, structured_outputs_config=StructuredOutputsConfig("
+            f"backend='auto', reasoning_parser={c.reasoning_parser!r}), seed=0, "
+            f"served_model_name={c.served_names[0]}, enable_prefix_caching=True"
+        )
+
+
+class RayRanks:
+    """vLLM's initialize_ray_cluster plus one RayWorkerWrapper per rank."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.log = engine.log
+        self.world = engine.config.world_size
+
+    def start(self) -> None:
+        import ray
+
+        _ship_code_by_value()
+        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"))
+        install_sigterm(self.log)  # ray.init replaced it with a handler that only dumps stacks
+        node_id = ray.get_runtime_context().get_node_id()
+        driver_ip = os.environ.get("VLLM_HOST_IP") or ray.util.get_node_ip_address()
+        self._warn_on_gpu_counts(node_id)
+        self._need_local_gpu(node_id, driver_ip)
+        group = self._placement_group(driver_ip)
+        self._verify_bundles(group, node_id)
+        self.engine.actors = self._start_ranks(group)
+        threading.Thread(target=self._watch, name="rank-monitor", daemon=True).start()
+
+    def _warn_on_gpu_counts(self, node_id: str) -> None:
+        import ray
+        from ray._private.state import total_resources_per_node
+
+        local = int(total_resources_per_node().get(node_id, {}).get("GPU", 0))
+        if self.world > local:
+            self.log.engine(
+                "WARNING",
+                "ray_utils.py:337",
+                f"Tensor parallel size ({self.world}) exceeds available GPUs ({local}). This may "
+                "result in Ray placement group allocation failures. Consider reducing "
+                f"tensor_parallel_size to {local} or less, or ensure your Ray cluster has "
+                f"{self.world} GPUs available.",
+            )
+        self.log.engine(
+            "INFO",
+            "ray_utils.py:396",
+            "No current placement group found. Creating a new placement group.",
+        )
+        if self.world > ray.cluster_resources().get("GPU", 0):
+            self.log.engine(
+                "WARNING",
+                "ray_utils.py:407",
+                "The number of required GPUs exceeds the total number of available GPUs in the "
+                "placement group.",
+            )
+
+    def _need_local_gpu(self, node_id: str, driver_ip: str) -> None:
+        from ray._private.state import available_resources_per_node
+
+        resources = available_resources_per_node().get(node_id, {})
+        if resources.get("GPU", 0) < 1:
+            raise EngineFailed(
+                f"ValueError: Current node has no GPU available. current_node_resource="
+                f"{resources}. vLLM engine cannot start without GPU. Make sure you have at least "
+                f"1 GPU available in a node current_node_id={node_id!r} current_ip={driver_ip!r}."
+            )
+
+    def _placement_group(self, driver_ip: str) -> Any:
+        import ray
+
+        specs: list[dict[str, float]] = [{"GPU": 1.0} for _ in range(self.world)]
+        specs[0][f"node:{driver_ip}"] = 0.001
+        group = ray.util.placement_group(specs, strategy="PACK")
+        self._wait_until_ready(group, specs)
+        return group
+
+    def _wait_until_ready(self, group: Any, specs: list[dict[str, float]]) -> None:
+        import ray
+
+        started = time.monotonic()
+        interval = self.engine.knobs.pg_log_interval
+        ready_ref = group.ready()
+        while time.monotonic() - started < self.engine.knobs.pg_wait_timeout:
+            ready, _ = ray.wait([ready_ref], timeout=interval)
+            if ready:
+                return
+            interval *= 2  # vLLM backs off exponentially between these lines
+            self.log.engine(
+                "INFO",
+                "ray_utils.py:310",
+                "Waiting for creating a placement group of specs for "
+                f"{int(time.monotonic() - started)} seconds. specs={specs}. Check `ray status` "
+                "and `ray list nodes` to see if you have enough resources, and make sure the IP "
+                "addresses used by ray cluster are the same as VLLM_HOST_IP environment variable "
+                "specified in each node if you are running on a multi-node.",
+            )
+        gpus = sum(spec.get("GPU", 0) for spec in specs)
+        raise EngineFailed(
+            f"ValueError: Cannot provide a placement group requiring {gpus} GPUs "
+            f"(placement_group_specs={specs}) within {int(self.engine.knobs.pg_wait_timeout)} "
+            "seconds.\nTensor parallel size may exceed available GPUs in your cluster. Check "
+            "resources with `ray status` and `ray list nodes`.\nIf running on K8s with limited "
+            "GPUs, consider reducing --tensor-parallel-size to match available GPU resources."
+        )
+
+    def _verify_bundles(self, group: Any, driver_node: str) -> None:
+        from ray.util import placement_group_table
+
+        per_node: dict[str, int] = {}
+        for node in placement_group_table(group)["bundles_to_node_id"].values():
+            per_node[node] = per_node.get(node, 0) + 1
+        if driver_node not in per_node:
+            raise EngineFailed(
+                f"RuntimeError: driver node id {driver_node} is not included in a placement "
+                f"group {group.id}. Node id -> bundles {per_node}. You don't have enough GPUs "
+                "available in a current node. Check `ray status` and `ray list nodes` to see if "
+                "you have available GPUs in a node `{driver_node_id}` before starting an vLLM "
+                "engine."
+            )
+        tp = self.engine.config.tp
+        for node, bundles in per_node.items():
+            if bundles < tp:
+                self.log.engine(
+                    "WARNING",
+                    "ray_utils.py:207",
+                    f"tensor_parallel_size={tp} is bigger than a reserved number of GPUs "
+                    f"({bundles} GPUs) in a node {node}. Tensor parallel workers can be spread "
+                    "out to 2+ nodes which can degrade the performance unless you have fast "
+                    "interconnect across nodes, like Infiniband. To resolve this issue, make sure "
+                    f"you have more than {tp} GPUs available at each node.",
+                )
+
+    def _start_ranks(self, group: Any) -> list[Any]:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        worker = ray.remote(RayWorkerWrapper)
+        config = self.engine.config
+        actors = [
+            worker.options(
+                num_cpus=0,
+                num_gpus=1,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=group,
+                    placement_group_capture_child_tasks=True,
+                    placement_group_bundle_index=rank,
+                ),
+            ).remote(rank, config.tp, self.world, config.gpu_util)
+            for rank in range(self.world)
+        ]
+        try:
+            ray.get([actor.ping.remote() for actor in actors])
+        except ray.exceptions.RayActorError as error:
+            raise EngineFailed(str(error)) from error
+        return actors
+
+    def _watch(self) -> None:
+        import ray
+
+        while not self.engine.dead.is_set():
+            time.sleep(1.0)
+            try:
+                ray.get([actor.ping.remote() for actor in self.engine.actors], timeout=10)
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                continue  # Ray still decides whether the node is gone
+            except ray.exceptions.RayActorError as error:
+                self._report_death(error)
+                return
+
+    def _report_death(self, error: Exception) -> None:
+        self.log.engine(
+            "ERROR",
+            "core.py:1099",
+            "EngineCore encountered a fatal error.\nTraceback (most recent call last):\n"
+            '  File "/usr/local/lib/python3.12/dist-packages/vllm/v1/executor/ray_executor.py", '
+            "line 431, in execute_model\n    return self._execute_dag(scheduler_output)\n"
+            f"ray.exceptions.{type(error).__name__}: {error}",
+        )
+        self.log.api("ERROR", "async_llm.py:526", "AsyncLLM output_handler failed.")
+        self.log.api(
+            "ERROR",
+            "async_llm.py:526",
+            f"vllm.v1.engine.exceptions.EngineDeadError: {ENGINE_DEAD_MESSAGE}",
+        )
+        self.engine.dead.set()
+
+
+def _ship_code_by_value() -> None:
+    """Ray workers on other nodes may lack this repo: pickle our code instead of importing it."""
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(gpu_state)
+    if __name__ != "__main__":
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_weights(engine: Engine) -> None:
+    """Log the safetensors bar over VRD_LOAD_SECONDS; faults strike at half the shards."""
+    knobs, log = engine.knobs, engine.log
+    total = knobs.shards
+    log.engine(
+        "INFO", "gpu_model_runner.py:2602", f"Starting to load model {engine.config.model}..."
+    )
+    started = time.monotonic()
+    for done in range(total + 1):
+        log.write(tqdm_line(done, total, time.monotonic() - started), sys.stderr)
+        if done == total // 2:
+            strike_load_fault(engine)
+        if done < total:
+            _sleep_unless_dead(engine, knobs.load_seconds / total)
+    took = time.monotonic() - started
+    log.engine("INFO", "default_loader.py:267", f"Loading weights took {took:.2f} seconds")
+    weights_gib = 0.6 * engine.config.gpu_util * knobs.gpu_total_mib / 1024
+    log.engine(
+        "INFO",
+        "gpu_model_runner.py:2653",
+        f"Model loading took {weights_gib:.4f} GiB and {took + 0.4:.6f} seconds",
+    )
+
+
+def _sleep_unless_dead(engine: Engine, seconds: float) -> None:
+    if engine.dead.wait(seconds):
+        engine.log.api(
+            "ERROR",
+            "core_client.py:564",
+            "Engine core proc EngineCore_DP0 died unexpectedly, shutting down client.",
+        )
+        raise SystemExit(1)
+
+
+def strike_load_fault(engine: Engine) -> None:
+    knobs = engine.knobs
+    if knobs.fault("crash_during_load"):
+        log_oom(engine)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if knobs.fault("exit_during_load"):
+        code = int(knobs.fault_value("exit_during_load", "1"))
+        engine_failed(
+            engine.log,
+            "RuntimeError: NCCL error: unhandled system error (run with "
+            "NCCL_DEBUG=INFO for details)",
+        )
+        raise SystemExit(code)
+    if knobs.fault("hang"):
+        while True:
+            _sleep_unless_dead(engine, 3600)
+
+
+def log_oom(engine: Engine) -> None:
+    total_gib = engine.knobs.gpu_total_mib / 1024
+    in_use = total_gib - 0.59
+    engine.log.engine(
+        "ERROR",
+        "core.py:866",
+        "EngineCore failed to start.\nTraceback (most recent call last):\n"
+        '  File "/usr/local/lib/python3.12/dist-packages/vllm/model_executor/model_loader/'
+        'default_loader.py", line 277, in load_weights\n'
+        "    loaded_weights = model.load_weights(self.get_all_weights(model_config, model))\n"
+        '  File "/usr/local/lib/python3.12/dist-packages/vllm/model_executor/model_loader/'
+        'weight_utils.py", line 642, in safetensors_weights_iterator\n'
+        "    param = f.get_tensor(name)\n"
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a "
+        f"total capacity of {total_gib:.2f} GiB of which 590.00 MiB is free. Including "
+        f"non-PyTorch memory, this process has {in_use:.2f} GiB memory in use. Of the allocated "
+        f"memory {in_use - 1.21:.2f} GiB is allocated by PyTorch, and 1.21 GiB is reserved by "
+        "PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
+        "documentation for Memory Management  "
+        "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)",
+    )
+
+
+INIT_DEVICE_TRACE = (
+    "Traceback (most recent call last):\n"
+    '  File "/usr/local/lib/python3.12/dist-packages/vllm/v1/worker/gpu_worker.py", line 180, '
+    "in init_device\n    raise ValueError(\n"
+)
+
+
+def engine_failed(log: Log, cause: str) -> None:
+    log.engine("ERROR", "core.py:866", f"EngineCore failed to start.\n{cause}")
+    log.api(
+        "ERROR",
+        "api_server.py:1920",
+        "RuntimeError: Engine core initialization failed. See root cause above. "
+        "Failed core proc(s): {}",
+    )
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0})
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def record(self, prompt: int, generation: Generation) -> None:
+        with self.lock:
+            self.prompt_tokens += prompt
+            self.generation_tokens += generation.completion_tokens
+            self.finished[generation.finish_reason] += 1
+
+
+@dataclass
+class App:
+    """What the HTTP handlers need."""
+
+    config: ServeConfig
+    knobs: Knobs
+    engine: Engine
+    log: Log
+    started: int = field(default_factory=lambda: int(time.time()))
+    stats: Stats = field(default_factory=Stats)
+
+    @property
+    def names(self) -> list[str]:
+        wrong = self.knobs.faults.get("wrong_name")
+        return [wrong] if wrong else self.config.served_names
+
+    @property
+    def healthy(self) -> bool:
+        return not (self.engine.dead.is_set() or self.knobs.fault("health_503"))
+
+
+def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class ApiServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, sock: socket.socket, app: App) -> None:
+        super().__init__(sock.getsockname()[:2], Handler, bind_and_activate=False)
+        self.socket.close()
+        self.socket = sock
+        self.app = app
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: ApiServer
+
+    def version_string(self) -> str:
+        return "uvicorn"
+
+    @property
+    def app(self) -> App:
+        return self.server.app
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        phrase = HTTPStatus(int(code)).phrase if str(code).isdigit() else ""
+        host, port = self.client_address[:2]
+        self.app.log.uvicorn(f'{host}:{port} - "{self.requestline}" {code} {phrase}')
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return  # the access log above replaces http.server's stderr lines
+
+    def do_GET(self) -> None:
+        self._route("GET")
+
+    def do_POST(self) -> None:
+        self._route("POST")
+
+    def _route(self, method: str) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""  # always drained: keep-alive
+        path = self.path.split("?", 1)[0]
+        routes: dict[tuple[str, str], Callable[[], None]] = {
+            ("GET", "/health"): self._health,
+            ("GET", "/ping"): self._health,
+            ("GET", "/version"): lambda: self._json(200, {"version": self.app.knobs.version}),
+            ("GET", "/v1/models"): self._models,
+            ("GET", "/metrics"): self._metrics,
+            ("POST", "/v1/chat/completions"): lambda: self._chat(body),
+        }
+        handler = routes.get((method, path))
+        if handler is not None:
+            handler()
+        elif any(known == path for _, known in routes):
+            self._json(405, {"detail": "Method Not Allowed"})
+        else:
+            self._json(404, {"detail": "Not Found"})
+
+    def _send(self, status: int, body: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("content-type", content_type)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _json(self, status: int, payload: Any) -> None:
+        self._send(status, json.dumps(payload).encode(), "application/json")
+
+    def _health(self) -> None:
+        self._send(200 if self.app.healthy else 503, b"", "application/json")
+
+    def _models(self) -> None:
+        app = self.app
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": app.started,
+                "owned_by": "vllm",
+                "root": app.config.model,
+                "parent": None,
+                "max_model_len": app.config.max_model_len,
+                "permission": [_permission(app.started)],
+            }
+            for name in app.names
+        ]
+        self._json(200, {"object": "list", "data": cards})
+
+    def _metrics(self) -> None:
+        text = prometheus_text(self.app)
+        self._send(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
+
+    def _chat(self, raw: bytes) -> None:
+        request, problem = parse_chat_request(raw)
+        if problem is not None:
+            self._json(400, error_body(problem, "Bad Request", 400))
+            return
+        model = request.get("model") or self.app.names[0]
+        if model not in self.app.names:
+            message = f"The model `{model}` does not exist."
+            self._json(404, error_body(message, "NotFoundError", 404, "model"))
+            return
+        self._answer(request, model)
+
+    def _answer(self, request: dict[str, Any], model: str) -> None:
+        app = self.app
+        time.sleep(float(app.knobs.faults.get("slow") or 0))
+        if app.engine.dead.is_set() or app.knobs.fault("http_500"):
+            self._json(500, error_body(ENGINE_DEAD_MESSAGE, "InternalServerError", 500))
+            return
+        if app.knobs.fault("html_error"):
+            self._send(502, BAD_GATEWAY_PAGE.encode(), "text/html")
+            return
+        messages = request["messages"]
+        generation = run_model(app, request)
+        used = prompt_tokens(messages)
+        app.stats.record(used, generation)
+        response = chat_response(app, model, generation, used)
+        if request.get("stream"):
+            self._stream(response)
+        elif app.knobs.fault("malformed_json"):
+            body = json.dumps(response).encode()
+            self._send(200, body[: len(body) // 2], "application/json")
+        else:
+            self._json(200, response)
+
+    def _stream(self, response: dict[str, Any]) -> None:
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream; charset=utf-8")
+        self.send_header("connection", "close")
+        self.end_headers()
+        for chunk in stream_chunks(response):
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.close_connection = True
+
+
+BAD_GATEWAY_PAGE = (
+    "<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n"
+    "<center><h1>502 Bad Gateway</h1></center>\r\n<hr><center>nginx</center>\r\n</body>\r\n"
+    "</html>\r\n"
+)
+
+
+def _permission(created: int) -> dict[str, Any]:
+    return {
+        "id": f"modelperm-{uuid.uuid4().hex}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+
+
+def parse_chat_request(raw: bytes) -> tuple[dict[str, Any], str | None]:
+    """The request, or vLLM's 400 message (FastAPI validation errors, rephrased)."""
+    try:
+        request = json.loads(raw or b"")
+    except ValueError as error:
+        detail = {
+            "type": "json_invalid",
+            "loc": ("body", 0),
+            "msg": "JSON decode error",
+            "input": {},
+            "ctx": {"error": error.args[0].split(":")[0]},
+        }
+        return {}, f"1 validation error:\n  {detail}"
+    if not isinstance(request, dict) or not isinstance(request.get("messages"), list):
+        detail = {
+            "type": "missing",
+            "loc": ("body", "messages"),
+            "msg": "Field required",
+            "input": request,
+        }
+        return {}, f"1 validation error:\n  {detail}"
+    return request, None
+
+
+def run_model(app: App, request: dict[str, Any]) -> Generation:
+    if app.knobs.fault("empty"):
+        return Generation("", "", "stop", 1)
+    limit = request.get("max_completion_tokens") or request.get("max_tokens")
+    kwargs = request.get("chat_template_kwargs") or {}
+    thinking = bool(kwargs.get("enable_thinking", True))
+    user = [m for m in request["messages"] if isinstance(m, dict) and m.get("role") == "user"]
+    prompt = message_text(user[-1].get("content")) if user else ""
+    return generate(prompt, limit, app.config.reasoning_parser, thinking)
+
+
+def chat_response(app: App, model: str, gen: Generation, prompt: int) -> dict[str, Any]:
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": gen.content,
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+        "tool_calls": [],
+    }
+    message.update(reasoning_fields(app.knobs.reasoning_field, gen.reasoning))
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": None,
+        "finish_reason": gen.finish_reason,
+        "stop_reason": None,
+        "token_ids": None,
+    }
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + gen.completion_tokens,
+            "completion_tokens": gen.completion_tokens,
+            "prompt_tokens_details": None,
+        },
+        "prompt_logprobs": None,
+        "prompt_token_ids": None,
+        "kv_transfer_params": None,
+    }
+
+
+def reasoning_fields(mode: str, reasoning: str | None) -> dict[str, str | None]:
+    """``reasoning`` today; ``reasoning_content`` before late 2025; both in between."""
+    names = {"reasoning": ["reasoning"], "reasoning_content": ["reasoning_content"]}
+    return {name: reasoning for name in names.get(mode, ["reasoning", "reasoning_content"])}
+
+
+def stream_chunks(response: dict[str, Any]) -> list[dict[str, Any]]:
+    message = response["choices"][0]["message"]
+    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+    deltas += [{k: message[k]} for k in ("reasoning", "reasoning_content") if message.get(k)]
+    if message.get("content"):
+        deltas.append({"content": message["content"]})
+    base = {k: response[k] for k in ("id", "created", "model")}
+    chunks = [_chunk(base, delta, None) for delta in deltas]
+    chunks.append(_chunk(base, {}, response["choices"][0]["finish_reason"]))
+    return chunks
+
+
+def _chunk(base: dict[str, Any], delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return {**base, "object": "chat.completion.chunk", "choices": [choice]}
+
+
+def prometheus_text(app: App) -> str:
+    labels = f'engine="0",model_name="{app.config.served_names[0]}"'
+    stats = app.stats
+    lines = [
+        *_metric(
+            "num_requests_running",
+            "gauge",
+            "Number of requests in model execution batches.",
+            [(labels, 0.0)],
+        ),
+        *_metric(
+            "num_requests_waiting",
+            "gauge",
+            "Number of requests waiting to be processed.",
+            [(labels, 0.0)],
+        ),
+        *_metric(
+            "kv_cache_usage_perc",
+            "gauge",
+            "KV-cache usage. 1 means 100 percent usage.",
+            [(labels, 0.0)],
+        ),
+        *_metric(
+            "prompt_tokens_total",
+            "counter",
+            "Number of prefill tokens processed.",
+            [(labels, float(stats.prompt_tokens))],
+        ),
+        *_metric(
+            "generation_tokens_total",
+            "counter",
+            "Number of generation tokens processed.",
+            [(labels, float(stats.generation_tokens))],
+        ),
+        *_metric(
+            "request_success_total",
+            "counter",
+            "Count of successfully processed requests.",
+            [
+                (f'{labels},finished_reason="{reason}"', float(count))
+                for reason, count in stats.finished.items()
+            ],
+        ),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> list[str]:
+    full = f"vllm:{name}"
+    return [
+        f"# HELP {full} {help_text}",
+        f"# TYPE {full} {kind}",
+        *(f"{full}{{{labels}}} {value}" for labels, value in samples),
+    ]
+
+
+# --------------------------------------------------------------------------- main
+
+
+def bind_api_socket(config: ServeConfig) -> socket.socket:
+    """Bound now, listening only after the load: connections are refused meanwhile."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((config.host, config.port))
+    return sock
+
+
+def log_startup(log: Log, knobs: Knobs, args: argparse.Namespace) -> None:
+    log.api("INFO", "api_server.py:1885", f"vLLM API server version {knobs.version}")
+    log.api("INFO", "utils.py:253", f"non-default args: {non_default_args(args)}")
+
+
+def log_ready(log: Log, config: ServeConfig, knobs: Knobs) -> None:
+    kv_gib = 0.3 * config.gpu_util * knobs.gpu_total_mib / 1024
+    log.engine("INFO", "gpu_worker.py:298", f"Available KV cache memory: {kv_gib:.2f} GiB")
+    log.engine(
+        "INFO",
+        "core.py:210",
+        "init engine (profile, create kv cache, warmup model) took 3.12 seconds",
+    )
+    log.api("INFO", "api_server.py:1634", "Supported tasks: ['generate']")
+    log.api(
+        "INFO", "api_server.py:1912", f"Starting vLLM server on http://{config.host}:{config.port}"
+    )
+    log.api("INFO", "launcher.py:37", "Available routes are:")
+    for route, methods in (
+        ("/health", "GET"),
+        ("/metrics", "GET"),
+        ("/version", "GET"),
+        ("/v1/models", "GET"),
+        ("/v1/chat/completions", "POST"),
+    ):
+        log.api("INFO", "launcher.py:46", f"Route: {route}, Methods: {methods}")
+    log.uvicorn(f"Started server process [{log.pid}]")
+    log.uvicorn("Waiting for application startup.")
+    log.uvicorn("Application startup complete.")
+
+
+def log_shutdown(log: Log) -> None:
+    log.uvicorn("Shutting down")
+    log.uvicorn("Waiting for application shutdown.")
+    log.uvicorn("Application shutdown complete.")
+    log.uvicorn(f"Finished server process [{log.pid}]")
+
+
+def exit_after_death(engine: Engine, server: ApiServer) -> None:
+    engine.dead.wait()
+    time.sleep(engine.knobs.dead_exit_delay)
+    server.shutdown()
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    knobs = Knobs.from_env()
+    parser = build_parser(knobs.version)
+    args = parser.parse_args(argv)
+    config = serve_config(args)
+    log = Log()
+    install_sigterm(log)
+    log_startup(log, knobs, args)
+    sock = bind_api_socket(config)
+    engine = Engine(config, knobs, log)
+    try:
+        engine.start()
+    except EngineFailed as error:
+        engine_failed(log, str(error))
+        return 1
+    except FreeMemoryError as error:
+        engine_failed(log, INIT_DEVICE_TRACE + f"ValueError: {error}")
+        return 1
+    except Exception:
+        engine_failed(log, traceback.format_exc().rstrip())
+        return 1
+    load_weights(engine)
+    log_ready(log, config, knobs)
+    sock.listen(128)
+    server = ApiServer(sock, App(config, knobs, engine, log))
+    threading.Thread(target=exit_after_death, args=(engine, server), daemon=True).start()
+    server.serve_forever(poll_interval=0.2)
+    log_shutdown(log)
+    return 1 if engine.dead.is_set() else 0
+
+
+def install_sigterm(log: Log) -> None:
+    signal.signal(signal.SIGTERM, lambda *_: _terminate(log))
+
+
+def _terminate(log: Log) -> None:
+    log_shutdown(log)
+    os._exit(0)
+
+
+def _exit_code(stop: SystemExit) -> int:
+    if stop.code is None or isinstance(stop.code, int):
+        return stop.code or 0
+    print(stop.code, file=sys.stderr)
+    return 1
+
+
+def main() -> None:
+    try:
+        code = run()
+    except SystemExit as stop:  # argparse, --version, faults
+        code = _exit_code(stop)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip Ray's atexit shutdown: it can block for long when the cluster is already gone.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
