@@ -86,6 +86,23 @@ def ssh_runner(target: SSHTarget) -> Iterator[SSHRunner]:
         yield runner
 
 
+@pytest.fixture(scope="session")
+def prefect_api() -> Iterator[None]:
+    """One real Prefect server (temporary database) for every flow run of the session."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=60):
+        yield
+
+
+def make_bed(nodes: int, gpu: str, first_ip: int) -> TestBed:
+    _need("dockerd")
+    _need("/usr/sbin/sshd")
+    root = Path(tempfile.mkdtemp(prefix="vrd-bed-", dir="/tmp"))
+    return TestBed.up(nodes, gpu, root, first_ip=first_ip)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _no_user_env() -> Iterator[None]:
     """Tests must not pick up a developer's VLLM_REDEPLOY_* variables."""
@@ -97,8 +114,6 @@ def _no_user_env() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def bed() -> Iterator[TestBed]:
     """Two emulated GPU nodes (sshd + dockerd each, the bed image, the old autostart stack)."""
-    _need("dockerd")
-    _need("/usr/sbin/sshd")
-    testbed = TestBed.up(2, "h200", Path(tempfile.mkdtemp(prefix="vrd-bed-", dir="/tmp")))
+    testbed = make_bed(2, "h200", first_ip=11)
     yield testbed
     testbed.down()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
@@ -11,8 +12,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from vllm_redeploy.config import ClusterConfig, ConfigError, describe, load_config
-from vllm_redeploy.nodes import check_node, fan_out
+from vllm_redeploy.config import ClusterConfig, ConfigError, NodeConfig, describe, load_config
+from vllm_redeploy.gpus import GpuReport, inspect_gpus
+from vllm_redeploy.nodes import NodeAccess, RemoteError, check_node, fan_out
+from vllm_redeploy.probe import run_probe
 
 EXIT_CONFIG = 2  # bad input, like argparse and click
 EXIT_UNREACHABLE = 1
@@ -105,6 +108,117 @@ def nodes(config: ConfigOption = Path("cluster.toml"), as_json: JsonOption = Fal
             )
         out.print(table)
     if not all(r is not None and r.reachable and r.docker_version for r in reports):
+        raise typer.Exit(EXIT_UNREACHABLE)
+
+
+@app.command("run")
+def run_command(
+    config: ConfigOption = Path("cluster.toml"),
+    mode: Annotated[
+        str, typer.Option(help="redeploy, or ensure: only if not healthy")
+    ] = "redeploy",
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the plan, change nothing.")
+    ] = False,
+    keep_on_failure: Annotated[
+        bool, typer.Option("--keep-on-failure", help="Leave a failed group running to debug it.")
+    ] = False,
+) -> None:
+    """Run the redeploy flow once (a temporary Prefect API unless PREFECT_API_URL is set)."""
+    if mode not in ("redeploy", "ensure"):
+        err.print(f"--mode must be redeploy or ensure, not {mode!r}", highlight=False)
+        raise typer.Exit(EXIT_CONFIG)
+    cluster = _load(config)
+    if dry_run:
+        from vllm_redeploy.dry_run import plan_lines
+
+        for line in plan_lines(cluster):
+            out.print(line, highlight=False, markup=False, soft_wrap=True)
+        return
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from flows.redeploy import redeploy_vllm_cluster
+    from tasks.context import StepFailed
+
+    try:
+        result = redeploy_vllm_cluster(str(config), mode, keep_on_failure)  # type: ignore[arg-type]
+    except StepFailed as exc:
+        err.print(f"[bold red]failed at {exc.step}[/]: ", end="", highlight=False)
+        err.print(exc.reason, markup=False, highlight=False)
+        raise typer.Exit(EXIT_UNREACHABLE) from None
+    except RemoteError as exc:
+        err.print("[bold red]failed[/]: ", end="", highlight=False)
+        err.print(str(exc), markup=False, highlight=False)
+        raise typer.Exit(EXIT_UNREACHABLE) from None
+    out.print(f"[green]{result['cluster']}: {result['action']}[/]", highlight=False)
+
+
+@app.command()
+def probe(
+    config: ConfigOption = Path("cluster.toml"),
+    url: Annotated[str | None, typer.Option(help="Base URL, e.g. http://head:30000")] = None,
+    model: Annotated[str | None, typer.Option(help="Served model name")] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="Token budget")] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Send the reasoning-aware sanity probe. Exit 0 iff the model answers healthily."""
+    if url and model:
+        prompt, tokens, temperature, timeout = "Say hello in one sentence.", 50, 0.0, 60.0
+    else:
+        cluster = _load(config)
+        url = url or f"http://{cluster.head.address}:{cluster.vllm.port}"
+        model = model or cluster.vllm.served_name
+        p = cluster.probe
+        prompt, tokens, temperature, timeout = p.prompt, p.max_tokens, p.temperature, p.timeout_s
+    verdict = run_probe(url, model, prompt, max_tokens or tokens, temperature, timeout)
+    if as_json:
+        out.print_json(json.dumps(verdict.as_dict()))
+    else:
+        colour = "green" if verdict.healthy else "red"
+        state = "healthy" if verdict.healthy else "unhealthy"
+        out.print(f"[{colour}]{state}[/]: ", end="", highlight=False)
+        out.print(verdict.detail, markup=False, highlight=False)
+    if not verdict.healthy:
+        raise typer.Exit(EXIT_UNREACHABLE)
+
+
+@app.command("check-gpus")
+def check_gpus(config: ConfigOption = Path("cluster.toml"), as_json: JsonOption = False) -> None:
+    """Are the GPUs of every node free? Exit 0 iff all are clear."""
+    cluster = _load(config)
+
+    def inspect(node: NodeConfig) -> GpuReport:
+        with NodeAccess(node, cluster) as access:
+            return inspect_gpus(node.name, access.runner)
+
+    outcomes = fan_out(cluster.nodes, inspect)
+    rows = []
+    for o in outcomes:
+        if o.value is not None:
+            report = o.value
+            rows.append(
+                {
+                    "node": o.node,
+                    "clear": report.clear,
+                    "problems": report.problems,
+                    "processes": [
+                        {"pid": p.pid, "name": p.process_name, "memory_mib": p.used_mib}
+                        for p in report.processes
+                    ],
+                }
+            )
+        else:
+            rows.append(
+                {"node": o.node, "clear": False, "problems": [str(o.error)], "processes": []}
+            )
+    if as_json:
+        out.print_json(json.dumps(rows))
+    else:
+        for row in rows:
+            state = "[green]clear[/]" if row["clear"] else "[red]busy[/]"
+            out.print(f"{row['node']}: {state}", highlight=False)
+            for problem in row["problems"]:
+                out.print(f"  {problem}", markup=False, highlight=False)
+    if not all(row["clear"] for row in rows):
         raise typer.Exit(EXIT_UNREACHABLE)
 
 

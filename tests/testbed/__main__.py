@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--nodes", type=int, default=2)
     up.add_argument("--gpu", choices=["h200", "gb10"], default="h200")
     up.add_argument("--no-old-stack", action="store_true", help="no autostart containers")
+    up.add_argument("--first-ip", type=int, default=11, help="node-1 at 127.0.0.FIRST_IP")
     verbs.add_parser("status", help="what runs on each node")
     reboot = verbs.add_parser("reboot", help="power-cycle one node")
     reboot.add_argument("node")
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.verb == "up":
-            bed = TestBed.up(args.nodes, args.gpu, args.root, old_stack=not args.no_old_stack)
+            bed = TestBed.up(args.nodes, args.gpu, args.root, not args.no_old_stack, args.first_ip)
             print(
                 f"bed up: {len(bed.nodes)} nodes ({args.gpu}) in {bed.bring_up_s:.1f} s",
                 file=sys.stderr,

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tests.testbed import image
 from tests.testbed.node import EmulatedNode, NodeSpec
@@ -62,8 +63,15 @@ class TestBed:
 
     @classmethod
     def up(
-        cls, nodes: int = 2, gpu: str = "h200", root: Path = DEFAULT_ROOT, old_stack: bool = True
+        cls,
+        nodes: int = 2,
+        gpu: str = "h200",
+        root: Path = DEFAULT_ROOT,
+        old_stack: bool = True,
+        first_ip: int = FIRST_IP,
     ) -> TestBed:
+        """Bring up ``nodes`` nodes at 127.0.0.<first_ip>, <first_ip + 1>, ...; beds at other
+        addresses can run side by side (Ray and the API bind the nodes' own addresses)."""
         if not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"--nodes must be 1..{MAX_NODES}, got {nodes}")
         if (root / "bed.json").exists():
@@ -81,9 +89,9 @@ class TestBed:
             EmulatedNode(
                 NodeSpec(
                     f"node-{i}",
-                    f"127.0.0.{FIRST_IP + i - 1}",
+                    f"127.0.0.{first_ip + i - 1}",
                     str(root / f"n{i}"),
-                    str(root / "gpu" / f"127.0.0.{FIRST_IP + i - 1}"),
+                    str(root / "gpu" / f"127.0.0.{first_ip + i - 1}"),
                 )
             )
             for i in range(1, nodes + 1)
@@ -160,53 +168,102 @@ class TestBed:
         nodes = [EmulatedNode(NodeSpec(**spec)) for spec in data["nodes"]]
         return cls(root=root, gpu=data["gpu"], nodes=nodes)
 
-    def write_config(self) -> Path:
-        """A cluster.toml describing the bed the way an operator describes real nodes."""
-        lines = ['name = "bed"', ""]
-        for node in self.nodes:
-            lines += [
-                "[[nodes]]",
-                f'name = "{node.name}"',
-                f'address = "{node.ip}"',
-                f"ssh_port = {node.spec.ssh_port}",
-                'ssh_user = "root"',
-                "gpus = 1",
-                "",
-            ]
-        volumes = [*image.runtime_mounts(), f"{self.root}:{self.root}"]
-        lines += [
-            "[ssh]",
-            f'key_file = "{self.client_key}"',
-            f'known_hosts = "{self.known_hosts}"',
-            "connect_timeout_s = 5",
-            "",
-            "[vllm]",
-            f'image = "{image.BED_IMAGE}"',
-            f'model = "{self.model_dir}"',
-            f'served_model_name = "{SERVED_NAME}"',
-            "port = 30000",
-            f"tensor_parallel_size = {len(self.nodes)}",
-            'reasoning_parser = "qwen3"',
-            "gpu_device_request = false  # the bed has no GPUs; the stand-ins emulate them",
-            'shm_size = "256m"',
-            "volumes = [" + ", ".join(f'"{v}"' for v in volumes) + "]",
-            "",
-            "[vllm.env]",
-            f'VRD_BED_ROOT = "{self.root}"',
-            f'VRD_GPU_TOTAL_MIB = "{GPU_TOTAL_MIB[self.gpu]}"',
-            'VRD_LOAD_SECONDS = "3"',
-            "",
-            "[ray]",
-            'extra_args = ["--num-cpus=1", "--object-store-memory=78643200"]',
-            "",
-            "[autostart]",
-            'containers = ["glm-*"]',
-            'units = ["glm-server.service"]',
-            "",
-            "[deadlines]",
-            "model_load_s = 120",
-            "nodes_reachable_s = 60",
-            "",
-        ]
-        self.config_path.write_text("\n".join(lines))
-        return self.config_path
+    def settings(self) -> dict[str, Any]:
+        """The bed's cluster configuration as data, the way an operator describes real nodes."""
+        return {
+            "name": "bed",
+            "nodes": [
+                {
+                    "name": n.name,
+                    "address": n.ip,
+                    "ssh_port": n.spec.ssh_port,
+                    "ssh_user": "root",
+                    "gpus": 1,
+                }
+                for n in self.nodes
+            ],
+            "ssh": {
+                "key_file": str(self.client_key),
+                "known_hosts": str(self.known_hosts),
+                "connect_timeout_s": 5,
+            },
+            "vllm": {
+                "image": image.BED_IMAGE,
+                "model": str(self.model_dir),
+                "served_model_name": SERVED_NAME,
+                "port": 30000,
+                "tensor_parallel_size": len(self.nodes),
+                "reasoning_parser": "qwen3",
+                "gpu_device_request": False,  # no GPUs here: the stand-ins emulate them
+                "shm_size": "256m",
+                "volumes": [*image.runtime_mounts(), f"{self.root}:{self.root}"],
+                "env": {
+                    "VRD_BED_ROOT": str(self.root),
+                    "VRD_GPU_TOTAL_MIB": str(GPU_TOTAL_MIB[self.gpu]),
+                    "VRD_LOAD_SECONDS": "3",
+                },
+            },
+            "ray": {"extra_args": ["--num-cpus=1", "--object-store-memory=78643200"]},
+            "autostart": {"containers": ["glm-*"], "units": ["glm-server.service"]},
+            "deadlines": {
+                "model_load_s": 120,
+                "nodes_reachable_s": 60,
+                "gpu_release_s": 5,
+                "ray_cluster_s": 60,
+            },
+        }
+
+    def write_config(self, path: Path | None = None, **changes: dict[str, Any]) -> Path:
+        """Write cluster.toml (or ``path``); ``changes`` are merged into the sections by key,
+        e.g. ``vllm={"env": {...}}`` or ``nodes={"node-2": {"fabric_ip": ...}}``."""
+        data = self.settings()
+        for section, values in changes.items():
+            if section == "nodes":
+                for node in data["nodes"]:
+                    node.update(values.get(node["name"], {}))
+            elif isinstance(data.get(section), dict):
+                for key, value in values.items():
+                    if isinstance(value, dict) and isinstance(data[section].get(key), dict):
+                        data[section][key] = {**data[section][key], **value}
+                    else:
+                        data[section][key] = value
+            else:
+                data[section] = values
+        path = path or self.config_path
+        path.write_text(to_toml(data))
+        return path
+
+
+def to_toml(data: dict[str, Any]) -> str:
+    """Enough TOML for the bed's configuration: scalars, lists, tables, arrays of tables."""
+    lines: list[str] = []
+    tables: list[tuple[str, dict[str, Any]]] = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            tables.append((key, value))
+        elif isinstance(value, list) and value and isinstance(value[0], dict):
+            for item in value:
+                lines += ["", f"[[{key}]]", *_pairs(item)]
+        else:
+            lines.append(f"{key} = {_value(value)}")
+    for name, table in tables:
+        scalars = {k: v for k, v in table.items() if not isinstance(v, dict)}
+        lines += ["", f"[{name}]", *_pairs(scalars)]
+        for sub, values in table.items():
+            if isinstance(values, dict):
+                lines += ["", f"[{name}.{sub}]", *_pairs(values)]
+    return "\n".join(lines) + "\n"
+
+
+def _pairs(table: dict[str, Any]) -> list[str]:
+    return [f"{k} = {_value(v)}" for k, v in table.items() if not isinstance(v, dict)]
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_value(v) for v in value) + "]"
+    return json.dumps(str(value))  # a JSON string is a valid TOML basic string

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tests.testbed.dockerd import DockerEngine
+from tests.testbed.procs import wait_until
 from tests.testbed.sshd import SSHServer, keygen
 from tests.testbed.standins import gpu_state, systemctl
 
@@ -82,9 +83,16 @@ class EmulatedNode:
             wrapper.chmod(0o755)
         keygen(self.root / "ssh_host_ed25519_key")
 
-    def start(self, client_key: Path) -> None:
-        """Power on: the Docker engine (restart policies apply), sshd, then enabled units."""
+    def start(self, client_key: Path, expect_back: list[str] | None = None) -> None:
+        """Power on: the Docker engine (restart policies apply), sshd, then enabled units.
+        ``expect_back``: containers the engine restarts by policy; waited for, as a boot is."""
         self.engine.start()
+        if expect_back:
+            wait_until(
+                lambda: set(expect_back) <= self._running(),
+                30,
+                f"{self.name}: containers {expect_back} after boot",
+            )
         self.sshd.authorized_keys = [client_key]
         self.sshd.env = self.env()
         self.sshd.start()
@@ -137,8 +145,18 @@ class EmulatedNode:
         self.spec.sshd_pid = self.spec.dockerd_pid = 0
 
     def reboot(self, client_key: Path) -> None:
+        with contextlib.closing(self.engine.client()) as client:
+            back = [
+                c.name
+                for c in client.containers.list()
+                if c.attrs["HostConfig"]["RestartPolicy"]["Name"] in ("always", "unless-stopped")
+            ]
         self.power_off()
-        self.start(client_key)
+        self.start(client_key, back)
+
+    def _running(self) -> set[str]:
+        with contextlib.closing(self.engine.client()) as client:
+            return {c.name for c in client.containers.list()}
 
     def destroy(self) -> None:
         self.power_off()

@@ -43,7 +43,14 @@ T = TypeVar("T")
 
 
 class DockerError(RemoteError):
-    """A Docker operation on a node failed."""
+    """A Docker operation on a node failed; ``transient`` when the connection to it broke."""
+
+    def __init__(self, node: str, message: str, transient: bool = False) -> None:
+        super().__init__(node, message)
+        self.transient = transient
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (DockerError, (self.node, self.message, self.transient))
 
 
 def project_labels(cluster: str, role: str) -> dict[str, str]:
@@ -80,6 +87,7 @@ class ContainerSpec:
     labels: Mapping[str, str] = field(default_factory=dict)
     shm_size: str | None = None
     gpus: int | None = None  # None: no GPU request; -1: all GPUs of the node
+    pid_mode: str | None = None  # e.g. "container:NAME" to share another container's PIDs
 
 
 class _RunnerSSHAdapter(SSHHTTPAdapter):
@@ -155,7 +163,7 @@ class NodeDocker:
                     self._reset()
                 if not retry or attempt == 2:
                     raise DockerError(
-                        self.node, f"Docker on {self.node}: {what} failed: {exc}"
+                        self.node, f"Docker on {self.node}: {what} failed: {exc}", transient=True
                     ) from None
             except docker.errors.DockerException as exc:
                 raise DockerError(
@@ -244,12 +252,23 @@ class NodeDocker:
                 shm_size=spec.shm_size,
                 network_mode="host",
                 ipc_mode="host",
+                pid_mode=spec.pid_mode,
                 device_requests=device_requests,
                 restart_policy={"Name": "no"},
             )
             return container.id
 
         return self._call(f"start container {spec.name} from {spec.image}", start, retry=False)
+
+    def run_to_completion(self, spec: ContainerSpec, timeout_s: float) -> tuple[int | None, str]:
+        """Run ``spec`` once: (exit code, or None past the timeout; its log). Removed after."""
+        self.remove(spec.name)
+        self.run_detached(spec)
+        try:
+            code = self.wait(spec.name, timeout_s)
+            return code, self.logs_tail(spec.name, lines=200)
+        finally:
+            self.remove(spec.name)
 
     def logs_tail(self, name: str, lines: int = 50) -> str:
         return self._call(

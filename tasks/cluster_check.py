@@ -1,0 +1,70 @@
+"""Step 5, cluster check: Ray sees every node alive at its fabric IP, and every GPU."""
+
+from __future__ import annotations
+
+import time
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.context import Run, StepFailed, log, transient
+from vllm_redeploy.plan import RAY_MEMBERS_SCRIPT, RayMember, parse_members, ray_container
+
+STEP = "cluster-check"
+POLL_S = 0.5
+
+
+def ray_members(run: Run) -> list[RayMember]:
+    runner = run.head.docker.exec_runner(ray_container(run.config))
+    result = runner.run(["python3", "-c", RAY_MEMBERS_SCRIPT], timeout=60)
+    return parse_members(result.stdout)
+
+
+def missing_members(run: Run, members: list[RayMember]) -> list[str]:
+    """What is wrong with the membership, one phrase per node (empty when complete)."""
+    alive = {m.ip: m for m in members if m.alive}
+    problems = []
+    for node in run.config.nodes:
+        member = alive.get(node.ip)
+        if member is None:
+            problems.append(f"{node.name} is not in the cluster at {node.ip}")
+        elif member.gpus < node.gpus:
+            problems.append(f"{node.name} brings {member.gpus:g} GPUs, expected {node.gpus}")
+    strangers = sorted(set(alive) - {n.ip for n in run.config.nodes})
+    if strangers:
+        problems.append(
+            "Ray has nodes at unexpected IPs "
+            + ", ".join(strangers)
+            + " (a node registered another address than its fabric_ip)"
+        )
+    return problems
+
+
+# Not cached: membership is only true now.
+@task(
+    name="cluster-check",
+    cache_policy=NO_CACHE,
+    retries=1,
+    retry_delay_seconds=[2],
+    retry_condition_fn=transient,
+)
+def check_ray_cluster(run: Run) -> list[RayMember]:
+    config = run.config
+    deadline = time.monotonic() + config.deadlines.ray_cluster_s
+    while True:
+        members = ray_members(run)
+        problems = missing_members(run, members)
+        if not problems:
+            gpus = sum(m.gpus for m in members if m.alive)
+            log().info("Ray sees %d nodes and %g GPUs", len(members), gpus)
+            return members
+        if time.monotonic() >= deadline:
+            status = run.head.docker.exec_runner(ray_container(config)).run(
+                ["ray", "status"], timeout=60, check=False
+            )
+            raise StepFailed(
+                STEP,
+                f"after {config.deadlines.ray_cluster_s:g} s: {'; '.join(problems)}. "
+                f"ray status:\n{status.stdout.strip() or status.stderr.strip()}",
+            )
+        time.sleep(POLL_S)

@@ -1,0 +1,79 @@
+"""What every task of one flow run shares: the configuration and one connection per node.
+
+Tasks receive the ``Run`` but never return connections: results stay plain data (picklable,
+cacheable), and connections are opened inside tasks and reused through the run's pool.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefect import get_run_logger
+
+from vllm_redeploy.config import ClusterConfig, NodeConfig
+from vllm_redeploy.nodes import (
+    AuthenticationFailed,
+    ConnectionLost,
+    DockerError,
+    HostKeyRejected,
+    NodeAccess,
+    NodeUnreachable,
+)
+
+
+@dataclass
+class Run:
+    config: ClusterConfig
+    _nodes: dict[str, NodeAccess] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def node(self, name: str) -> NodeAccess:
+        with self._lock:
+            if name not in self._nodes:
+                self._nodes[name] = NodeAccess(self.node_config(name), self.config)
+            return self._nodes[name]
+
+    def node_config(self, name: str) -> NodeConfig:
+        return next(n for n in self.config.nodes if n.name == name)
+
+    @property
+    def head(self) -> NodeAccess:
+        return self.node(self.config.head.name)
+
+    def close(self) -> None:
+        with self._lock:
+            for access in self._nodes.values():
+                access.close()
+            self._nodes.clear()
+
+    def __reduce__(self) -> Any:
+        # Task inputs may be serialized (cache keys, result records); connections must not be.
+        return (Run, (self.config,))
+
+
+class StepFailed(Exception):
+    """A step failed for a reason that retrying will not fix; the message says what to do."""
+
+    def __init__(self, step: str, reason: str) -> None:
+        super().__init__(f"{step}: {reason}")
+        self.step = step
+        self.reason = reason
+
+    def __reduce__(self) -> Any:
+        return (StepFailed, (self.step, self.reason))
+
+
+def transient(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry condition: only dropped connections and Docker API hiccups are worth a retry."""
+    exc = state.result(raise_on_failure=False)
+    if isinstance(exc, HostKeyRejected | AuthenticationFailed):
+        return False
+    if isinstance(exc, DockerError):
+        return exc.transient
+    return isinstance(exc, ConnectionLost | NodeUnreachable)
+
+
+def log() -> Any:
+    return get_run_logger()

@@ -1,0 +1,67 @@
+"""On failure: what each node looked like, as one markdown artifact."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from tasks.context import Run
+from vllm_redeploy import PROJECT
+from vllm_redeploy.nodes import RemoteError, fan_out
+from vllm_redeploy.nodes.docker import LABEL_CLUSTER, LABEL_MANAGED
+from vllm_redeploy.nodes.result import MASK
+from vllm_redeploy.parsers.nvidia_smi import COMPUTE_APPS_ARGV
+from vllm_redeploy.plan import ray_container
+
+LOG_LINES = 40
+
+
+def _node_section(run: Run, name: str) -> str:
+    access = run.node(name)
+    parts = [f"## {name}"]
+    labels = {LABEL_MANAGED: PROJECT, LABEL_CLUSTER: run.config.name}
+    for c in access.docker.list_containers(labels=labels):
+        code = f", exit {c.exit_code}" if c.exit_code is not None else ""
+        oom = ", OOM-killed" if c.oom_killed else ""
+        parts.append(f"### {c.name} ({c.status}{code}{oom})")
+        parts.append("```\n" + access.docker.logs_tail(c.name, LOG_LINES).strip() + "\n```")
+    smi = access.runner.run(list(COMPUTE_APPS_ARGV), timeout=30, check=False)
+    parts.append("### nvidia-smi compute apps\n```\n" + (smi.stdout.strip() or "(none)") + "\n```")
+    # Kernel OOM lines, where the login user may read the kernel log.
+    dmesg = access.runner.run(["dmesg", "--level=err,warn"], timeout=30, check=False)
+    oom = [line for line in dmesg.stdout.splitlines() if "oom" in line.lower()][-10:]
+    if oom:
+        parts.append("### kernel OOM lines\n```\n" + "\n".join(oom) + "\n```")
+    if name == run.config.head.name:
+        status = (
+            access.docker.exec_runner(ray_container(run.config)).run(
+                ["ray", "status"], timeout=60, check=False
+            )
+            if access.docker.get(ray_container(run.config))
+            else None
+        )
+        if status is not None:
+            parts.append(
+                "### ray status\n```\n" + (status.stdout or status.stderr).strip() + "\n```"
+            )
+    return "\n\n".join(parts)
+
+
+@task(name="diagnostics", cache_policy=NO_CACHE)
+def collect_diagnostics(run: Run, step: str, reason: str) -> str:
+    sections = [f"# {run.config.name}: failed at {step}", reason]
+    for outcome in fan_out(run.config.nodes, lambda n: _node_section(run, n.name)):
+        if isinstance(outcome.error, RemoteError):
+            sections.append(f"## {outcome.node}\nunreachable: {outcome.error}")
+        else:
+            sections.append(outcome.value or "")
+    text = "\n\n".join(sections)
+    for secret in run.config.secret_values():
+        text = text.replace(secret, MASK)
+    create_markdown_artifact(
+        text,
+        key=f"{run.config.name}-diagnostics",
+        description="state of every node when the run failed",
+    )
+    return text

@@ -1,0 +1,62 @@
+"""Step 2, GPUs clear: no compute process on any GPU and memory back where the GPU reports it.
+
+A process that was just stopped takes seconds to release its GPU, so the check is repeated
+for a grace period before it fails naming the node, PID, process and memory.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.context import Run, StepFailed, log, transient
+from vllm_redeploy.gpus import GpuReport, inspect_gpus
+
+STEP = "gpus-clear"
+RECHECK_S = 1.0
+
+
+# Not cached: the answer is only true now.
+@task(
+    name="gpus-clear",
+    task_run_name="gpus-clear[{name}]",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=[2, 5],
+    retry_condition_fn=transient,
+)
+def wait_gpus_clear(run: Run, name: str) -> GpuReport:
+    grace = run.config.deadlines.gpu_release_s
+    deadline = time.monotonic() + grace
+    while True:
+        report = inspect_gpus(name, run.node(name).runner)
+        if report.clear:
+            log().info(report.summary())
+            _warn_low_memory(run, report)
+            return report
+        if time.monotonic() >= deadline:
+            raise StepFailed(
+                STEP,
+                f"GPU on {name} still busy after {grace:g} s: {'; '.join(report.problems)}. "
+                "Stop that process (it is not one the configuration names), or add its "
+                "container or unit to [autostart]",
+            )
+        time.sleep(RECHECK_S)
+
+
+def _warn_low_memory(run: Run, report: GpuReport) -> None:
+    """On unified memory vLLM needs MemAvailable >= utilization x total; page cache counts."""
+    util = run.config.vllm.gpu_memory_utilization or 0.9
+    available, total = report.mem_available_mib, report.mem_total_mib
+    if report.unified_memory and available and total and available < util * total:
+        log().warning(
+            "%s: MemAvailable %.1f GiB is below gpu_memory_utilization %.2f of %.1f GiB; "
+            "vLLM may refuse to start (drop the page cache: sync; echo 3 > "
+            "/proc/sys/vm/drop_caches)",
+            report.node,
+            report.mem_available_mib / 1024,
+            util,
+            report.mem_total_mib / 1024,
+        )

@@ -1,0 +1,148 @@
+"""Step 0, preflight: every node reachable (waiting for late ones), Docker up, the same image,
+the model directory, Ray in the image, and the API and Ray ports free on the head."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from prefect import task
+from prefect.cache_policies import INPUTS, RUN_ID
+
+from tasks.context import Run, StepFailed, log, transient
+from vllm_redeploy.nodes import AuthenticationFailed, HostKeyRejected, NodeUnreachable
+from vllm_redeploy.plan import engine_container, ray_container, ray_spec
+
+STEP = "preflight"
+REACH_POLL_S = 2.0
+RAY_CHECK_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    node: str
+    docker_version: str
+    image_id: str | None
+    model_present: bool
+    ray_path: str | None  # where `ray` is in the image; None when it is not there
+    waited_s: float
+    fabric_ip_local: bool = True
+    busy_ports: tuple[str, ...] = ()
+
+
+def wait_reachable(run: Run, name: str) -> float:
+    """Wait until the node answers over SSH, up to the configured window; seconds waited."""
+    window = run.config.deadlines.nodes_reachable_s
+    started = time.monotonic()
+    while True:
+        try:
+            run.node(name).runner.check_connection(timeout=run.config.ssh.connect_timeout_s)
+            return time.monotonic() - started
+        except (HostKeyRejected, AuthenticationFailed) as exc:
+            raise StepFailed(STEP, str(exc)) from None  # waiting will not fix trust or keys
+        except NodeUnreachable as exc:
+            waited = time.monotonic() - started
+            if waited >= window:
+                raise StepFailed(
+                    STEP, f"node {name} did not come back within {window:g} s: {exc.reason}"
+                ) from None
+            log().info("waiting for %s (%s), %.0f s of %g s", name, exc.reason, waited, window)
+            run.node(name).runner.close()
+            time.sleep(REACH_POLL_S)
+
+
+# Cached per flow run (RUN_ID) and node: a flow-level retry reuses these read-only facts instead
+# of asking every node again; a later run never sees them (another run ID).
+@task(
+    name="preflight",
+    task_run_name="preflight[{name}]",
+    cache_policy=RUN_ID + INPUTS - "run",
+    retries=2,
+    retry_delay_seconds=[2, 5],
+    retry_condition_fn=transient,
+)
+def preflight_node(run: Run, name: str) -> NodeFacts:
+    """Reachable, Docker up, image and model present, Ray in the image."""
+    config = run.config
+    waited = wait_reachable(run, name)
+    access = run.node(name)
+    docker = access.docker
+    version = docker.version()
+    image_id = docker.image_id(config.vllm.image)
+    model = access.runner.run(["test", "-d", config.vllm.model], timeout=30, check=False)
+    ray_path = None
+    if image_id is not None:
+        check = replace(
+            ray_spec(config.nodes[0], config),
+            name=f"{ray_container(config)}-check",
+            command=["ray", "--version"],
+            volumes=list(config.vllm.volumes),
+            gpus=None,
+        )
+        code, output = docker.run_to_completion(check, RAY_CHECK_TIMEOUT_S)
+        if code == 0 and output.strip():
+            ray_path = output.strip().splitlines()[-1]
+    # Fabric IPs set by hand are lost at reboot; `ip route get` tells, without sending anything,
+    # whether the node still owns its fabric IP ("local ..." when it does).
+    ip = run.node_config(name).ip
+    route = access.runner.run(["ip", "route", "get", ip], timeout=30, check=False)
+    local = route.ok and route.stdout.startswith("local ")
+    busy: tuple[str, ...] = ()
+    if name == config.head.name:
+        busy = _busy_ports(run)
+    return NodeFacts(name, version, image_id, model.ok, ray_path, waited, local, busy)
+
+
+def _busy_ports(run: Run) -> tuple[str, ...]:
+    """API and Ray ports on the head that something other than our containers listens on."""
+    config = run.config
+    ours_running = any(
+        c.running
+        for c in run.head.docker.list_containers([engine_container(config), ray_container(config)])
+    )
+    busy = []
+    for label, port in (("API port", config.vllm.port), ("Ray port", config.ray.port)):
+        result = run.head.runner.run(["ss", "-Hltn", f"sport = :{port}"], timeout=30, check=False)
+        if result.ok and result.stdout.strip() and not ours_running:
+            busy.append(f"{label} {port}")
+    return tuple(busy)
+
+
+def judge_preflight(run: Run, facts: list[NodeFacts]) -> None:
+    """Fail naming every node that is not ready to take the deployment."""
+    config = run.config
+    problems = []
+    for f in facts:
+        if f.image_id is None:
+            problems.append(
+                f"{f.node}: image {config.vllm.image} is not on the node "
+                "(docker pull it there, or docker save | docker load from another node)"
+            )
+        elif f.ray_path is None:
+            problems.append(
+                f"{f.node}: `ray` does not run in image {config.vllm.image}; vLLM images since "
+                "0.18 do not bundle Ray: use an image that installs it"
+            )
+        if not f.fabric_ip_local:
+            ip = run.node_config(f.node).ip
+            problems.append(
+                f"{f.node}: the fabric IP {ip} is not assigned on the node (addresses set by "
+                "hand are lost at reboot): add it again, or fix the node's fabric_ip"
+            )
+        if not f.model_present:
+            problems.append(f"{f.node}: the model directory {config.vllm.model} does not exist")
+        for port in f.busy_ports:
+            problems.append(
+                f"{f.node}: the {port} is in use by a process that is not ours; stop it or "
+                "change the port in the configuration"
+            )
+    ids = {f.image_id for f in facts if f.image_id}
+    if len(ids) > 1:
+        listing = ", ".join(f"{f.node} {str(f.image_id)[:19]}" for f in facts)
+        problems.append(
+            f"image {config.vllm.image} differs between nodes ({listing}); every node must run "
+            "the same build"
+        )
+    if problems:
+        raise StepFailed(STEP, "; ".join(problems))
+    log().info("preflight ok: %s", ", ".join(f"{f.node} docker {f.docker_version}" for f in facts))

@@ -1,0 +1,34 @@
+"""Step 8, the reasoning sanity probe: one chat completion, judged for a reasoning model."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.context import Run, StepFailed, log
+from tasks.wait_ready import api_url
+from vllm_redeploy.probe import ProbeVerdict, run_probe
+
+STEP = "probe"
+
+
+def probe(run: Run) -> ProbeVerdict:
+    p = run.config.probe
+    return run_probe(
+        api_url(run),
+        run.config.vllm.served_name,
+        p.prompt,
+        p.max_tokens,
+        p.temperature,
+        p.timeout_s,
+    )
+
+
+# Not cached and not retried: the verdict is the point; a flaky answer is an answer.
+@task(name="probe", cache_policy=NO_CACHE)
+def probe_model(run: Run) -> ProbeVerdict:
+    verdict = probe(run)
+    if not verdict.healthy:
+        raise StepFailed(STEP, f"the model answered but is not healthy: {verdict.detail}")
+    log().info("probe healthy: %s", verdict.detail)
+    return verdict

@@ -1,0 +1,78 @@
+"""Step 1, stop autostart: the listed units, the matching containers, and our own earlier ones.
+
+Nothing else is touched: other containers stay, and no file is removed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.context import Run, log, transient
+from vllm_redeploy import PROJECT
+from vllm_redeploy.nodes.docker import LABEL_CLUSTER, LABEL_MANAGED
+
+
+@dataclass(frozen=True)
+class StopReport:
+    node: str
+    units_stopped: tuple[str, ...]
+    units_disabled: tuple[str, ...]
+    removed: tuple[str, ...]  # the previous stack's containers
+    own_removed: tuple[str, ...]  # this project's earlier containers
+
+    def summary(self) -> str:
+        parts = [f"units stopped: {', '.join(self.units_stopped) or 'none'}"]
+        if self.units_disabled:
+            parts.append(f"disabled: {', '.join(self.units_disabled)}")
+        parts.append(f"removed: {', '.join(self.removed) or 'none'}")
+        if self.own_removed:
+            parts.append(f"our earlier containers removed: {', '.join(self.own_removed)}")
+        return f"{self.node}: " + "; ".join(parts)
+
+
+# Not cached: it changes the node, and must run again on every run (the units come back at boot).
+@task(
+    name="stop-autostart",
+    task_run_name="stop-autostart[{name}]",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=[2, 5],
+    retry_condition_fn=transient,
+)
+def stop_autostart(run: Run, name: str) -> StopReport:
+    """Stop (and optionally disable) the units, then remove the matching containers."""
+    config = run.config
+    access = run.node(name)
+    stopped, disabled = [], []
+    for unit in config.autostart.units:
+        active = access.runner.run(["systemctl", "is-active", unit], timeout=30, check=False)
+        if active.stdout.strip() in ("active", "activating", "reloading"):
+            access.runner.run(["systemctl", "stop", unit], timeout=120)
+            stopped.append(unit)
+        if config.autostart.disable_units:
+            enabled = access.runner.run(["systemctl", "is-enabled", unit], timeout=30, check=False)
+            if enabled.stdout.strip() == "enabled":
+                access.runner.run(["systemctl", "disable", unit], timeout=60)
+                disabled.append(unit)
+    removed = _remove(run, name, access.docker.list_containers(config.autostart.containers))
+    ours = access.docker.list_containers(
+        labels={LABEL_MANAGED: PROJECT, LABEL_CLUSTER: config.name}
+    )
+    own = _remove(run, name, ours)
+    report = StopReport(name, tuple(stopped), tuple(disabled), tuple(removed), tuple(own))
+    log().info(report.summary())
+    return report
+
+
+def _remove(run: Run, name: str, containers: list) -> list[str]:  # type: ignore[type-arg]
+    docker = run.node(name).docker
+    for container in containers:
+        # Restart policy first, so nothing brings it back between our calls; then force-remove,
+        # as the runbook does: it is being replaced, and a graceful stop costs up to 10 s each.
+        if container.restart_policy != "no":
+            docker.set_restart_policy(container.name, "no")
+        docker.remove(container.name)
+    return [c.name for c in containers]

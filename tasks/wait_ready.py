@@ -1,0 +1,106 @@
+"""Step 7, wait for ready: until /v1/models names our served model, while watching the engine.
+
+The API port refuses connections for the whole load, so "loading or dead" is judged from the
+engine container (alive, log moving), never from TCP. If the engine exits, the wait ends at
+once with its exit code and last log lines.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import httpx
+from prefect import task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+
+from tasks.context import Run, StepFailed, log
+from vllm_redeploy.parsers.vllm_log import last_load_progress
+from vllm_redeploy.plan import engine_container
+
+STEP = "wait-ready"
+POLL_S = 0.25  # readiness is noticed within this, plus one request
+PROGRESS_EVERY_S = 5.0
+LOG_TAIL_LINES = 30
+HTTP_TIMEOUT = httpx.Timeout(2.0, connect=1.0)
+
+
+@dataclass(frozen=True)
+class Ready:
+    served: list[str]
+    waited_s: float
+
+
+def api_url(run: Run) -> str:
+    return f"http://{run.config.head.address}:{run.config.vllm.port}"
+
+
+def served_models(client: httpx.Client, url: str) -> list[str] | None:
+    """The ids /v1/models lists, or None while the server does not answer with a list."""
+    try:
+        response = client.get(f"{url}/v1/models")
+        data = response.json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    if response.status_code != 200 or not isinstance(data, dict):
+        return None
+    return [str(m.get("id")) for m in data.get("data", []) if isinstance(m, dict)]
+
+
+# Not cached: readiness is only true now, and the engine it watches is this run's.
+@task(name="wait-ready", cache_policy=NO_CACHE)
+def wait_until_ready(run: Run) -> Ready:
+    config = run.config
+    docker = run.head.docker
+    name = engine_container(config)
+    want = config.vllm.served_name
+    url = api_url(run)
+    deadline_s = config.deadlines.model_load_s
+    started = time.monotonic()
+    progress_id = create_progress_artifact(
+        0.0, key=f"{config.name}-load", description=f"Loading {want} on {config.head.name}"
+    )
+    last_progress = 0.0
+    last_report = started
+    listed: list[str] | None = None
+    with httpx.Client(timeout=HTTP_TIMEOUT) as client:
+        while True:
+            listed = served_models(client, url)
+            if listed is not None and want in listed:
+                update_progress_artifact(progress_id, 100.0)
+                waited = time.monotonic() - started
+                log().info("%s is served at %s after %.1f s", want, url, waited)
+                return Ready(listed, waited)
+            info = docker.get(name)
+            if info is None or not info.running:
+                tail = docker.logs_tail(name, LOG_TAIL_LINES).strip() if info else ""
+                oom = " (killed: out of memory)" if info and info.oom_killed else ""
+                code = info.exit_code if info else "gone"
+                raise StepFailed(
+                    STEP,
+                    f"the vLLM engine on {config.head.name} exited with code {code}{oom} "
+                    f"after {time.monotonic() - started:.1f} s. Last log lines:\n{tail}",
+                )
+            now = time.monotonic()
+            if now - last_report >= PROGRESS_EVERY_S:
+                last_report = now
+                progress = last_load_progress(docker.logs_tail(name, 20))
+                if progress and progress.percent != last_progress:
+                    last_progress = progress.percent
+                    update_progress_artifact(progress_id, float(progress.percent))
+                    log().info(
+                        "loading weights: %d%% (%d/%d shards)",
+                        progress.percent,
+                        progress.done,
+                        progress.total,
+                    )
+            if now - started >= deadline_s:
+                tail = docker.logs_tail(name, LOG_TAIL_LINES).strip()
+                stale = f"; the server lists {listed} instead" if listed else ""
+                raise StepFailed(
+                    STEP,
+                    f"{want} was not served at {url} within {deadline_s:g} s{stale}. "
+                    f"Last log lines:\n{tail}",
+                )
+            time.sleep(POLL_S)

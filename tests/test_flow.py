@@ -1,0 +1,186 @@
+"""The redeploy flow end to end on the test bed: real sshd, Docker, Ray and Prefect server."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from flows.redeploy import redeploy_vllm_cluster
+from tests.conftest import make_bed
+from tests.testbed import image
+from tests.testbed.bed import SERVED_NAME, TestBed
+from vllm_redeploy.config import load_config
+from vllm_redeploy.nodes import NodeAccess
+from vllm_redeploy.plan import engine_container, ray_container
+from vllm_redeploy.probe import run_probe
+
+pytestmark = pytest.mark.integration
+FAST = {"VRD_LOAD_SECONDS": "1"}
+
+
+@pytest.fixture(scope="module")
+def flow_bed(prefect_api: None) -> Iterator[TestBed]:
+    bed = make_bed(2, "h200", first_ip=31)
+    try:
+        for node in bed.nodes:  # what must survive every run: a stranger's container and files
+            with contextlib.closing(node.engine.client()) as client:
+                client.containers.run(
+                    image.OLD_STACK_IMAGE,
+                    ["sleep", "999999"],
+                    name="canary",
+                    detach=True,
+                    network_mode="host",
+                    restart_policy={"Name": "unless-stopped"},
+                )
+        (bed.root / "canary-dir").mkdir()
+        (bed.root / "canary-dir" / "weights.bin").write_bytes(b"x" * 1024)
+        yield bed
+    finally:
+        bed.down()
+
+
+def run_flow(bed: TestBed, mode: str = "redeploy", **changes: Any) -> Any:
+    vllm = changes.pop("vllm", {})
+    vllm["env"] = {**FAST, **vllm.get("env", {})}
+    path = bed.write_config(bed.root / "run.toml", vllm=vllm, **changes)
+    return redeploy_vllm_cluster(str(path), mode, return_state=True)
+
+
+def containers(bed: TestBed) -> dict[str, dict[str, str]]:
+    """Per node: container name -> ID, for what runs now."""
+    found = {}
+    for node in bed.nodes:
+        with contextlib.closing(node.engine.client()) as client:
+            found[node.name] = {c.name: c.id for c in client.containers.list()}
+    return found
+
+
+def failure(state: Any) -> str:
+    assert state.is_failed(), f"expected a failed run, got {state}"
+    return str(state.result(raise_on_failure=False))
+
+
+def served(bed: TestBed) -> bool:
+    verdict = run_probe(f"http://{bed.nodes[0].ip}:30000", SERVED_NAME, "Say hello.", 50, 0.0, 10)
+    return verdict.healthy
+
+
+def test_redeploy_after_a_reboot_replaces_the_old_stack(flow_bed: TestBed) -> None:
+    for node in flow_bed.nodes:
+        flow_bed.reboot(node.name)
+    before = containers(flow_bed)
+    assert all({"glm-server", "glm-proxy", "canary"} <= set(c) for c in before.values()), before
+    state = run_flow(flow_bed)
+    assert state.is_completed(), failure(state)
+    result = state.result()
+    assert result["action"] == "redeployed" and result["probe"]["healthy"]
+    assert result["probe"]["finish_reason"] == "length" and result["probe"]["content"] is None
+    after = containers(flow_bed)
+    config = load_config(flow_bed.root / "run.toml", env_file=None)
+    assert set(after["node-1"]) == {"canary", ray_container(config), engine_container(config)}
+    assert set(after["node-2"]) == {"canary", ray_container(config)}
+    assert after["node-1"]["canary"] == before["node-1"]["canary"]  # untouched, not recreated
+    assert (flow_bed.root / "canary-dir" / "weights.bin").stat().st_size == 1024
+    assert served(flow_bed)
+
+
+def test_ensure_on_a_healthy_cluster_changes_nothing(flow_bed: TestBed) -> None:
+    before = containers(flow_bed)
+    state = run_flow(flow_bed, "ensure")
+    assert state.is_completed(), failure(state)
+    assert state.result()["action"].startswith("already healthy")
+    assert containers(flow_bed) == before
+
+
+def test_ensure_after_a_worker_dies_redeploys_the_group(flow_bed: TestBed) -> None:
+    config = load_config(flow_bed.root / "run.toml", env_file=None)
+    with NodeAccess(config.nodes[1], config) as worker:
+        worker.docker.remove(ray_container(config))
+    before = containers(flow_bed)
+    state = run_flow(flow_bed, "ensure")
+    assert state.is_completed(), failure(state)
+    assert "redeploying: the Ray container on node-2 is not running" in state.result()["notes"]
+    after = containers(flow_bed)
+    assert after["node-1"][engine_container(config)] != before["node-1"][engine_container(config)]
+    assert ray_container(config) in after["node-2"]
+    assert served(flow_bed)
+
+
+def test_a_process_holding_a_gpu_fails_naming_it(flow_bed: TestBed) -> None:
+    holder = flow_bed.node("node-2").hold_gpu(20998, "python3")
+    try:
+        message = failure(run_flow(flow_bed, deadlines={"gpu_release_s": 2}))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert "gpus-clear" in message and "node-2" in message
+    assert f"PID {holder.pid} (python3) holds 20998 MiB" in message
+
+
+def test_a_fabric_ip_the_node_does_not_own_fails_preflight(flow_bed: TestBed) -> None:
+    # 198.51.100.7 (TEST-NET-2) is not assigned here; `ip route get` sends nothing.
+    message = failure(run_flow(flow_bed, nodes={"node-2": {"fabric_ip": "198.51.100.7"}}))
+    assert (
+        "preflight" in message and "node-2: the fabric IP 198.51.100.7 is not assigned" in message
+    )
+
+
+def test_engine_killed_while_loading_fails_at_once_with_its_log(flow_bed: TestBed) -> None:
+    started = time.monotonic()
+    state = run_flow(
+        flow_bed, vllm={"env": {"VRD_FAULT": "crash_during_load", "VRD_LOAD_SECONDS": "2"}}
+    )
+    message = failure(state)
+    assert time.monotonic() - started < 90  # far from the 120 s load deadline
+    assert "wait-ready" in message and "exited with code 137" in message
+    assert "CUDA out of memory" in message
+    config = load_config(flow_bed.root / "run.toml", env_file=None)
+    after = containers(flow_bed)
+    assert ray_container(config) not in after["node-2"]  # no half-started group left
+    assert engine_container(config) not in after["node-1"] and "canary" in after["node-1"]
+
+
+def test_an_engine_that_never_serves_fails_at_the_deadline(flow_bed: TestBed) -> None:
+    state = run_flow(flow_bed, vllm={"env": {"VRD_FAULT": "hang"}}, deadlines={"model_load_s": 6})
+    message = failure(state)
+    assert "was not served" in message and "within 6 s" in message
+    assert "Loading safetensors checkpoint shards" in message
+
+
+def test_a_server_naming_another_model_is_not_ready(flow_bed: TestBed) -> None:
+    state = run_flow(
+        flow_bed,
+        vllm={"env": {"VRD_FAULT": "wrong_name:some-other-model"}},
+        deadlines={"model_load_s": 8},
+    )
+    message = failure(state)
+    assert "the server lists ['some-other-model'] instead" in message
+
+
+def test_an_empty_answer_fails_the_probe(flow_bed: TestBed) -> None:
+    message = failure(run_flow(flow_bed, vllm={"env": {"VRD_FAULT": "empty"}}))
+    assert "probe" in message and "empty answer" in message
+
+
+@pytest.mark.parametrize(
+    ("nodes", "gpu", "first_ip"),
+    [(2, "gb10", 51), (4, "h200", 41)],
+    ids=["gb10-2-nodes", "h200-4-nodes"],
+)
+def test_other_node_kinds_and_sizes(prefect_api: None, nodes: int, gpu: str, first_ip: int) -> None:
+    bed = make_bed(nodes, gpu, first_ip)
+    try:
+        state = run_flow(bed)
+        assert state.is_completed(), failure(state)
+        assert state.result()["probe"]["healthy"]
+    finally:
+        bed.down()
+
+
+def test_canaries_survived_everything(flow_bed: TestBed) -> None:
+    assert all("canary" in c for c in containers(flow_bed).values())
+    assert (flow_bed.root / "canary-dir" / "weights.bin").exists()

@@ -1,0 +1,74 @@
+"""Is a node's GPU free? Judged from nvidia-smi and, on unified memory (GB10), /proc/meminfo."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from vllm_redeploy.nodes import Runner
+from vllm_redeploy.parsers.nvidia_smi import (
+    COMPUTE_APPS_ARGV,
+    GPUS_ARGV,
+    ComputeApp,
+    GpuInfo,
+    parse_compute_apps,
+    parse_gpus,
+)
+
+# An idle discrete GPU reports ~0 MiB used; more than this with no process listed means the
+# memory has not come back yet (a process still exiting, or one nvidia-smi cannot see).
+MEMORY_SLACK_MIB = 1024
+_MEMINFO = re.compile(r"^(MemTotal|MemAvailable):\s+(\d+) kB$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class GpuReport:
+    node: str
+    gpus: list[GpuInfo]
+    processes: list[ComputeApp]
+    mem_available_mib: int | None = None
+    mem_total_mib: int | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def clear(self) -> bool:
+        return not self.problems
+
+    @property
+    def unified_memory(self) -> bool:
+        return any(not g.memory_reported for g in self.gpus)
+
+    def summary(self) -> str:
+        if self.clear:
+            kind = "unified memory" if self.unified_memory else "memory back"
+            extra = ""
+            if self.mem_available_mib is not None and self.unified_memory:
+                extra = f", MemAvailable {self.mem_available_mib / 1024:.1f} GiB"
+            return f"{self.node}: GPU clear ({kind}{extra})"
+        return f"{self.node}: " + "; ".join(self.problems)
+
+
+def inspect_gpus(node: str, runner: Runner, timeout: float = 30.0) -> GpuReport:
+    """Query the node's GPUs and compute processes; graphics processes do not count."""
+    processes = parse_compute_apps(runner.run(list(COMPUTE_APPS_ARGV), timeout=timeout).stdout)
+    gpus = parse_gpus(runner.run(list(GPUS_ARGV), timeout=timeout).stdout)
+    meminfo = dict(_MEMINFO.findall(runner.run(["cat", "/proc/meminfo"], timeout=timeout).stdout))
+    problems = [
+        f"PID {p.pid} ({p.process_name}) holds "
+        + (f"{p.used_mib} MiB" if p.used_mib is not None else "GPU memory")
+        for p in processes
+    ]
+    if not processes:
+        for gpu in gpus:
+            if gpu.memory_used_mib is not None and gpu.memory_used_mib > MEMORY_SLACK_MIB:
+                problems.append(
+                    f"GPU {gpu.index} still has {gpu.memory_used_mib} MiB in use "
+                    "with no process listed"
+                )
+    if not gpus:
+        problems.append("nvidia-smi lists no GPU")
+
+    def mib(key: str) -> int | None:
+        return int(meminfo[key]) // 1024 if key in meminfo else None
+
+    return GpuReport(node, gpus, processes, mib("MemAvailable"), mib("MemTotal"), problems)

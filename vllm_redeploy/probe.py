@@ -1,0 +1,122 @@
+"""The reasoning-aware sanity probe: one chat completion, judged the way a reasoning model answers.
+
+A reasoning model given a small budget spends it all thinking: ``content`` is null, the thinking
+is in ``reasoning`` (``reasoning_content`` on servers before 2026) and ``finish_reason`` is
+``"length"``. That is a healthy server, not an empty answer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+
+DETAIL_CHARS = 200
+
+
+@dataclass(frozen=True)
+class ProbeVerdict:
+    healthy: bool
+    detail: str  # one line: why healthy or not
+    content: str | None = None
+    reasoning: str | None = None
+    finish_reason: str | None = None
+    status_code: int | None = None
+    elapsed_s: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def chat_request(model: str, prompt: str, max_tokens: int, temperature: float) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+    }
+
+
+def judge(status_code: int, body: str, elapsed_s: float | None = None) -> ProbeVerdict:
+    """Judge one /v1/chat/completions reply (status and raw body)."""
+
+    def bad(detail: str) -> ProbeVerdict:
+        return ProbeVerdict(False, detail, status_code=status_code, elapsed_s=elapsed_s)
+
+    try:
+        data = json.loads(body)
+    except ValueError:
+        kind = "an HTML page" if body.lstrip()[:1] == "<" else "not JSON"
+        return bad(f"HTTP {status_code} and the body is {kind}: {_excerpt(body)}")
+    if not isinstance(data, dict):
+        return bad(f"HTTP {status_code} and the body is JSON but not an object: {_excerpt(body)}")
+    error = _error_message(data)
+    if error is not None or status_code >= 400:
+        return bad(f"HTTP {status_code}: {error or _excerpt(body)}")
+    choices = data.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return bad("the reply has no choices")
+    choice = choices[0]
+    message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+    content = _text(message.get("content"))
+    reasoning = _text(message.get("reasoning")) or _text(message.get("reasoning_content"))
+    finish = choice.get("finish_reason")
+    found = {
+        "content": content,
+        "reasoning": reasoning,
+        "finish_reason": finish,
+        "status_code": status_code,
+        "elapsed_s": elapsed_s,
+    }
+    if content:
+        return ProbeVerdict(True, f"answered: {_excerpt(content, 80)}", **found)
+    if reasoning:
+        if finish == "length":
+            detail = "reasoning only: the token budget ended inside thinking"
+        else:
+            detail = f"reasoning only (finish_reason {finish!r})"
+        return ProbeVerdict(True, detail, **found)
+    return ProbeVerdict(
+        False, f"empty answer: no content and no reasoning (finish_reason {finish!r})", **found
+    )
+
+
+def run_probe(
+    base_url: str, model: str, prompt: str, max_tokens: int, temperature: float, timeout_s: float
+) -> ProbeVerdict:
+    """Send the probe to ``base_url`` (e.g. http://head:30000) and judge the reply."""
+    url = base_url.rstrip("/") + "/v1/chat/completions"
+    timeout = httpx.Timeout(timeout_s, connect=min(5.0, timeout_s))
+    try:
+        response = httpx.post(
+            url, json=chat_request(model, prompt, max_tokens, temperature), timeout=timeout
+        )
+    except httpx.TimeoutException:
+        return ProbeVerdict(False, f"no reply from {url} within {timeout_s:g} s")
+    except httpx.HTTPError as exc:
+        return ProbeVerdict(False, f"cannot reach {url}: {exc}")
+    return judge(response.status_code, response.text, response.elapsed.total_seconds())
+
+
+def _text(value: Any) -> str | None:
+    if isinstance(value, str) and value.strip():
+        return value
+    return None
+
+
+def _error_message(data: dict[str, Any]) -> str | None:
+    error = data.get("error")
+    if isinstance(error, dict):
+        return str(error.get("message") or error)
+    if isinstance(error, str):
+        return error
+    if data.get("object") == "error":  # servers before the OpenAI-style error object
+        return str(data.get("message", "error"))
+    return None
+
+
+def _excerpt(text: str, limit: int = DETAIL_CHARS) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
