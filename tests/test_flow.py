@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
 from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import make_bed
 from tests.testbed import image
 from tests.testbed.bed import SERVED_NAME, TestBed
+from vllm_redeploy.cli import app
 from vllm_redeploy.config import load_config
 from vllm_redeploy.nodes import NodeAccess
 from vllm_redeploy.plan import engine_container, ray_container
@@ -108,6 +111,38 @@ def test_ensure_after_a_worker_dies_redeploys_the_group(flow_bed: TestBed) -> No
     assert after["node-1"][engine_container(config)] != before["node-1"][engine_container(config)]
     assert ray_container(config) in after["node-2"]
     assert served(flow_bed)
+
+
+def test_probe_command_on_the_served_model(flow_bed: TestBed) -> None:
+    result = CliRunner().invoke(
+        app, ["probe", "--config", str(flow_bed.root / "run.toml"), "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    verdict = json.loads(result.output)
+    assert verdict["healthy"] and verdict["finish_reason"] == "length"
+    assert verdict["content"] is None and verdict["reasoning"].startswith("Thinking Process")
+    wrong = CliRunner().invoke(
+        app, ["probe", "--url", f"http://{flow_bed.nodes[0].ip}:30000", "--model", "not-served"]
+    )
+    assert wrong.exit_code == 1 and "does not exist" in wrong.output
+
+
+def test_check_gpus_names_what_holds_them(flow_bed: TestBed) -> None:
+    path = str(flow_bed.root / "run.toml")
+    serving = json.loads(CliRunner().invoke(app, ["check-gpus", "-c", path, "--json"]).output)
+    # While vLLM serves, each node's rank holds its GPU.
+    assert all(not row["clear"] and row["processes"] for row in serving)
+    assert serving[1]["processes"][0]["name"] == "ray::RayWorkerWrapper"
+
+
+def test_dry_run_prints_the_plan_and_touches_nothing(flow_bed: TestBed) -> None:
+    before = containers(flow_bed)
+    result = CliRunner().invoke(app, ["run", "-c", str(flow_bed.root / "run.toml"), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "remove our earlier containers: vllm-redeploy-bed-engine (running)" in result.output
+    assert "--node-ip-address=127.0.0.32" in result.output
+    assert "vllm serve" in result.output and "--reasoning-parser qwen3" in result.output
+    assert containers(flow_bed) == before
 
 
 def test_a_process_holding_a_gpu_fails_naming_it(flow_bed: TestBed) -> None:
