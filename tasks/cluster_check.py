@@ -7,7 +7,7 @@ import time
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.context import Run, StepFailed, log, transient
+from tasks.context import RETRY_TRANSIENT, Run, StepFailed, log
 from vllm_redeploy.plan import RAY_MEMBERS_SCRIPT, RayMember, parse_members, ray_container
 
 STEP = "cluster-check"
@@ -44,9 +44,7 @@ def missing_members(run: Run, members: list[RayMember]) -> list[str]:
 @task(
     name="cluster-check",
     cache_policy=NO_CACHE,
-    retries=1,
-    retry_delay_seconds=[2],
-    retry_condition_fn=transient,
+    **RETRY_TRANSIENT,
 )
 def check_ray_cluster(run: Run) -> list[RayMember]:
     config = run.config

@@ -75,5 +75,20 @@ def transient(task: Any, task_run: Any, state: Any) -> bool:
     return isinstance(exc, ConnectionLost | NodeUnreachable)
 
 
+# Retry policies, only ever for transient faults (see ``transient``), with backoff.
+# Read-only or idempotent steps: two retries.
+RETRY_TRANSIENT: dict[str, Any] = {
+    "retries": 2,
+    "retry_delay_seconds": [2, 5],
+    "retry_condition_fn": transient,
+}
+# Steps that start containers: one retry (each attempt first removes what the last one made).
+RETRY_START: dict[str, Any] = {
+    "retries": 1,
+    "retry_delay_seconds": [3],
+    "retry_condition_fn": transient,
+}
+
+
 def log() -> Any:
     return get_run_logger()

@@ -11,7 +11,7 @@ import time
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.context import Run, StepFailed, log, transient
+from tasks.context import RETRY_TRANSIENT, Run, StepFailed, log
 from vllm_redeploy.gpus import GpuReport, inspect_gpus
 
 STEP = "gpus-clear"
@@ -23,9 +23,7 @@ RECHECK_S = 1.0
     name="gpus-clear",
     task_run_name="gpus-clear[{name}]",
     cache_policy=NO_CACHE,
-    retries=2,
-    retry_delay_seconds=[2, 5],
-    retry_condition_fn=transient,
+    **RETRY_TRANSIENT,
 )
 def wait_gpus_clear(run: Run, name: str) -> GpuReport:
     grace = run.config.deadlines.gpu_release_s

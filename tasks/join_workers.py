@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.context import Run, log, transient
+from tasks.context import RETRY_START, Run, log
 from vllm_redeploy.plan import ray_spec
 
 
@@ -14,9 +14,7 @@ from vllm_redeploy.plan import ray_spec
     name="join-worker",
     task_run_name="join-worker[{name}]",
     cache_policy=NO_CACHE,
-    retries=1,
-    retry_delay_seconds=[3],
-    retry_condition_fn=transient,
+    **RETRY_START,
 )
 def join_worker(run: Run, name: str) -> str:
     config = run.config

@@ -7,7 +7,7 @@ from dataclasses import replace
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.context import Run, log, transient
+from tasks.context import RETRY_START, Run, log
 from vllm_redeploy.nodes.result import render_command
 from vllm_redeploy.plan import LABEL_LAUNCH, engine_spec, launch_fingerprint
 
@@ -16,9 +16,7 @@ from vllm_redeploy.plan import LABEL_LAUNCH, engine_spec, launch_fingerprint
 @task(
     name="launch-vllm",
     cache_policy=NO_CACHE,
-    retries=1,
-    retry_delay_seconds=[3],
-    retry_condition_fn=transient,
+    **RETRY_START,
 )
 def launch_vllm(run: Run) -> str:
     """Start the engine container; returns its ID. Its log stays with the container."""

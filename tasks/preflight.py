@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from prefect import task
 from prefect.cache_policies import INPUTS, RUN_ID
 
-from tasks.context import Run, StepFailed, log, transient
+from tasks.context import RETRY_TRANSIENT, Run, StepFailed, log
 from vllm_redeploy.nodes import AuthenticationFailed, HostKeyRejected, NodeUnreachable
 from vllm_redeploy.plan import engine_container, ray_container, ray_spec
 
@@ -57,9 +57,7 @@ def wait_reachable(run: Run, name: str) -> float:
     name="preflight",
     task_run_name="preflight[{name}]",
     cache_policy=RUN_ID + INPUTS - "run",
-    retries=2,
-    retry_delay_seconds=[2, 5],
-    retry_condition_fn=transient,
+    **RETRY_TRANSIENT,
 )
 def preflight_node(run: Run, name: str) -> NodeFacts:
     """Reachable, Docker up, image and model present, Ray in the image."""

@@ -7,7 +7,7 @@ import time
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.context import Run, StepFailed, log, transient
+from tasks.context import RETRY_START, Run, StepFailed, log
 from vllm_redeploy.plan import ray_container, ray_spec
 
 STEP = "ray-head"
@@ -19,9 +19,7 @@ POLL_S = 0.5
     name="ray-head",
     task_run_name="ray-head[{name}]",
     cache_policy=NO_CACHE,
-    retries=1,
-    retry_delay_seconds=[3],
-    retry_condition_fn=transient,
+    **RETRY_START,
 )
 def start_ray_head(run: Run, name: str) -> str:
     """Start the head and wait until its GCS answers; returns the container ID."""

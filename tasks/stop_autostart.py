@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.context import Run, log, transient
+from tasks.context import RETRY_TRANSIENT, Run, log
 from vllm_redeploy import PROJECT
 from vllm_redeploy.nodes.docker import LABEL_CLUSTER, LABEL_MANAGED
 
@@ -38,9 +38,7 @@ class StopReport:
     name="stop-autostart",
     task_run_name="stop-autostart[{name}]",
     cache_policy=NO_CACHE,
-    retries=2,
-    retry_delay_seconds=[2, 5],
-    retry_condition_fn=transient,
+    **RETRY_TRANSIENT,
 )
 def stop_autostart(run: Run, name: str) -> StopReport:
     """Stop (and optionally disable) the units, then remove the matching containers."""

@@ -99,6 +99,14 @@ def test_ensure_on_a_healthy_cluster_changes_nothing(flow_bed: TestBed) -> None:
     assert containers(flow_bed) == before
 
 
+def test_run_command_ensure_reports_and_exits_0(flow_bed: TestBed) -> None:
+    result = CliRunner().invoke(
+        app, ["run", "-c", str(flow_bed.root / "run.toml"), "--mode", "ensure"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "bed: already healthy: nothing changed" in result.output
+
+
 def test_ensure_after_a_worker_dies_redeploys_the_group(flow_bed: TestBed) -> None:
     config = load_config(flow_bed.root / "run.toml", env_file=None)
     with NodeAccess(config.nodes[1], config) as worker:
@@ -149,11 +157,13 @@ def test_a_process_holding_a_gpu_fails_naming_it(flow_bed: TestBed) -> None:
     holder = flow_bed.node("node-2").hold_gpu(20998, "python3")
     try:
         message = failure(run_flow(flow_bed, deadlines={"gpu_release_s": 2}))
+        cli = CliRunner().invoke(app, ["run", "-c", str(flow_bed.root / "run.toml")])
     finally:
         holder.kill()
         holder.wait()
     assert "gpus-clear" in message and "node-2" in message
     assert f"PID {holder.pid} (python3) holds 20998 MiB" in message
+    assert cli.exit_code == 1 and "failed at gpus-clear" in cli.output
 
 
 def test_a_fabric_ip_the_node_does_not_own_fails_preflight(flow_bed: TestBed) -> None:

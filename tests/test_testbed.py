@@ -17,9 +17,9 @@ from vllm_redeploy.nodes import (
     ContainerSpec,
     HostKeyRejected,
     NodeAccess,
-    project_labels,
 )
 from vllm_redeploy.nodes.docker import LABEL_CLUSTER
+from vllm_redeploy.plan import ray_container, ray_spec
 
 pytestmark = pytest.mark.integration
 
@@ -105,51 +105,24 @@ def test_systemctl_standin_stops_and_disables_like_systemd(
         run(["systemctl", "start", "glm-server.service"], timeout=20)
 
 
-def ray_spec(config: ClusterConfig, node_index: int, cluster: str) -> ContainerSpec:
-    node = config.nodes[node_index]
-    head = config.head
-    role = (
-        ["--head", f"--port={config.ray.port}", "--include-dashboard=false"]
-        if node is head
-        else [f"--address={head.ip}:{config.ray.port}"]
-    )
-    return ContainerSpec(
-        name=f"ray-{cluster}",
-        image=config.vllm.image,
-        command=[
-            "ray",
-            "start",
-            "--block",
-            "--disable-usage-stats",
-            f"--node-ip-address={node.ip}",
-            f"--num-gpus={node.gpus}",
-            *config.ray.extra_args,
-            *role,
-        ],
-        env={"VLLM_HOST_IP": node.ip, **config.vllm.env},
-        volumes=config.vllm.volumes,
-        labels=project_labels(cluster, "ray"),
-        shm_size=config.vllm.shm_size,
-    )
-
-
 @pytest.fixture
-def ray_cluster(access: dict[str, NodeAccess], config: ClusterConfig) -> Iterator[str]:
-    cluster = f"t{uuid.uuid4().hex[:6]}"
+def ray_cluster(access: dict[str, NodeAccess], config: ClusterConfig) -> Iterator[ClusterConfig]:
+    """The product's own Ray containers, under a cluster name of this test's."""
+    cluster = config.model_copy(update={"name": f"t{uuid.uuid4().hex[:6]}"})
     try:
-        for index, node in enumerate(config.nodes):
-            access[node.name].docker.run_detached(ray_spec(config, index, cluster))
+        for node in cluster.nodes:
+            access[node.name].docker.run_detached(ray_spec(node, cluster))
         yield cluster
     finally:
         for node in access.values():
             with contextlib.suppress(Exception):
-                node.docker.remove(f"ray-{cluster}")
+                node.docker.remove(ray_container(cluster))
 
 
 def test_ray_cluster_forms_across_the_nodes(
-    access: dict[str, NodeAccess], config: ClusterConfig, ray_cluster: str
+    access: dict[str, NodeAccess], config: ClusterConfig, ray_cluster: ClusterConfig
 ) -> None:
-    head = access[config.head.name].docker.exec_runner(f"ray-{ray_cluster}")
+    head = access[config.head.name].docker.exec_runner(ray_container(ray_cluster))
     probe = (
         "import ray; ray.init(address='auto', logging_level='ERROR'); "
         "print(sorted((n['NodeManagerAddress'], n['Resources'].get('GPU', 0)) "
@@ -164,23 +137,23 @@ def test_ray_cluster_forms_across_the_nodes(
             break
         time.sleep(1)
     assert seen == str(sorted((n.ip, float(n.gpus)) for n in config.nodes))
-    mine = access["node-2"].docker.list_containers(labels={LABEL_CLUSTER: ray_cluster})
-    assert [c.name for c in mine] == [f"ray-{ray_cluster}"]
+    mine = access["node-2"].docker.list_containers(labels={LABEL_CLUSTER: ray_cluster.name})
+    assert [c.name for c in mine] == [ray_container(ray_cluster)]
 
 
 def test_reboot_brings_autostart_back_and_nothing_else(
-    access: dict[str, NodeAccess], config: ClusterConfig, ray_cluster: str, bed: TestBed
+    access: dict[str, NodeAccess], config: ClusterConfig, ray_cluster: ClusterConfig, bed: TestBed
 ) -> None:
     node = access["node-2"]
-    assert node.docker.get(f"ray-{ray_cluster}").running  # type: ignore[union-attr]
+    assert node.docker.get(ray_container(ray_cluster)).running  # type: ignore[union-attr]
     bed.reboot("node-2")
     # The old connection died with the node; the runner reconnects by itself.
     assert node.runner.run(["true"], timeout=10).ok
     restarted = {c.name: c.running for c in node.docker.list_containers(["glm-*"])}
     assert restarted == {"glm-server": True, "glm-proxy": True}
-    ray = node.docker.get(f"ray-{ray_cluster}")
+    ray = node.docker.get(ray_container(ray_cluster))
     assert ray is not None and not ray.running  # restart policy "no": runtime state is gone
-    assert access["node-1"].docker.get(f"ray-{ray_cluster}").running  # type: ignore[union-attr]
+    assert access["node-1"].docker.get(ray_container(ray_cluster)).running  # type: ignore[union-attr]
 
 
 def test_nvidia_smi_on_each_node_shows_that_nodes_gpu_processes(

@@ -721,10 +721,19 @@ def _sleep_unless_dead(engine: Engine, seconds: float) -> None:
         raise SystemExit(1)
 
 
+def record_event(event: str) -> None:
+    """For benchmarks: append ``{"event", "t"}`` (wall clock) to VRD_EVENT_LOG, if set."""
+    path = os.environ.get("VRD_EVENT_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"event": event, "t": time.time()}) + "\n")
+
+
 def strike_load_fault(engine: Engine) -> None:
     knobs = engine.knobs
     if knobs.fault("crash_during_load"):
         log_oom(engine)
+        record_event("crashed")
         os.kill(os.getpid(), signal.SIGKILL)
     if knobs.fault("exit_during_load"):
         code = int(knobs.fault_value("exit_during_load", "1"))
@@ -1212,6 +1221,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     load_weights(engine)
     log_ready(log, config, knobs)
     sock.listen(128)
+    record_event("listening")
     server = ApiServer(sock, App(config, knobs, engine, log))
     threading.Thread(target=exit_after_death, args=(engine, server), daemon=True).start()
     server.serve_forever(poll_interval=0.2)
