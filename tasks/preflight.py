@@ -73,7 +73,7 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
         check = replace(
             ray_spec(config.nodes[0], config),
             name=f"{ray_container(config)}-check",
-            command=["ray", "--version"],
+            command=["sh", "-c", "command -v ray"],
             volumes=list(config.vllm.volumes),
             gpus=None,
         )
@@ -98,12 +98,25 @@ def _busy_ports(run: Run) -> tuple[str, ...]:
         c.running
         for c in run.head.docker.list_containers([engine_container(config), ray_container(config)])
     )
+    if ours_running:
+        return ()
     busy = []
     for label, port in (("API port", config.vllm.port), ("Ray port", config.ray.port)):
         result = run.head.runner.run(["ss", "-Hltn", f"sport = :{port}"], timeout=30, check=False)
-        if result.ok and result.stdout.strip() and not ours_running:
+        if result.ok and _listens_on(result.stdout, config.head.ip):
             busy.append(f"{label} {port}")
     return tuple(busy)
+
+
+def _listens_on(ss_output: str, ip: str) -> bool:
+    """Does a listener in `ss -Hltn` output take this IP (itself or a wildcard address)?"""
+    for line in ss_output.splitlines():
+        fields = line.split()
+        if len(fields) >= 4:
+            address = fields[3].rsplit(":", 1)[0].strip("[]")
+            if address in (ip, "0.0.0.0", "*", "::"):  # noqa: S104 - comparing, not binding
+                return True
+    return False
 
 
 def judge_preflight(run: Run, facts: list[NodeFacts]) -> None:

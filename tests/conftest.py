@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.testbed.bed import TestBed
 from tests.testbed.dockerd import DockerEngine
+from tests.testbed.procs import free_port, spawn, stop, wait_until
 from tests.testbed.sshd import SSHServer, keygen
 from vllm_redeploy.nodes import SSHRunner, SSHTarget
 
@@ -87,13 +90,46 @@ def ssh_runner(target: SSHTarget) -> Iterator[SSHRunner]:
 
 
 @pytest.fixture(scope="session")
-def prefect_api() -> Iterator[None]:
-    """One real Prefect server (temporary database) for every flow run of the session."""
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from prefect.testing.utilities import prefect_test_harness
+def prefect_server(workdir: Path) -> Iterator[str]:
+    """A real `prefect server start` on loopback (its own PREFECT_HOME, SQLite), one per
+    session; yields its API URL. Flow runs, deployments, events and triggers all go here."""
+    home = workdir / "prefect-home"
+    home.mkdir()
+    port = free_port("127.0.0.1")
+    env = {
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_API_HOST": "127.0.0.1",
+        "PREFECT_SERVER_API_PORT": str(port),
+        "PREFECT_API_URL": "",
+    }
+    prefect = str(Path(sys.executable).parent / "prefect")
+    log = workdir / "prefect-server.log"
+    proc = spawn([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)], log, env)
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        wait_until(lambda: _healthy(f"{url}/health"), 90, "prefect server", log)
+        yield url
+    finally:
+        stop(proc, grace=15)
 
-    with prefect_test_harness(server_startup_timeout=60):
-        yield
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def prefect_api(prefect_server: str) -> Iterator[str]:
+    """Point this process's Prefect client at the session's server."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: prefect_server}):
+        os.environ["PREFECT_API_URL"] = prefect_server
+        yield prefect_server
+        os.environ.pop("PREFECT_API_URL", None)
 
 
 def make_bed(nodes: int, gpu: str, first_ip: int) -> TestBed:

@@ -74,7 +74,7 @@ def check_config(config: ConfigOption = Path("cluster.toml"), as_json: JsonOptio
             str(node.gpus),
         )
     out.print(table)
-    for section in ("vllm", "ray", "autostart", "deadlines", "probe", "ssh", "secrets"):
+    for section in ("vllm", "ray", "autostart", "deadlines", "probe", "webhook", "ssh", "secrets"):
         out.print(f"[bold]\\[{section}][/]")
         for key, value in data[section].items():
             out.print(f"  {key} = {_show(value)}", highlight=False, markup=False, soft_wrap=True)
@@ -220,6 +220,54 @@ def check_gpus(config: ConfigOption = Path("cluster.toml"), as_json: JsonOption 
                 out.print(f"  {problem}", markup=False, highlight=False)
     if not all(row["clear"] for row in rows):
         raise typer.Exit(EXIT_UNREACHABLE)
+
+
+@app.command()
+def serve(config: ConfigOption = Path("cluster.toml")) -> None:
+    """Serve the nightly, after-reboot and manual deployments from this process (no work pool)."""
+    cluster = _load(config)  # fail early, in plain words, on a bad configuration
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from deployments.definitions import serve_deployments
+
+    serve_deployments(cluster, config)
+
+
+@app.command()
+def webhook(
+    config: ConfigOption = Path("cluster.toml"),
+    host: Annotated[str | None, typer.Option(help="Bind address (default webhook.host)")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default webhook.port)")] = None,
+) -> None:
+    """Run the reboot webhook: signed calls from the nodes become Prefect events."""
+    cluster = _load(config)
+    from deployments.webhook import serve_webhook
+
+    try:
+        serve_webhook(cluster, host, port)
+    except ValueError as exc:
+        err.print(str(exc), markup=False, highlight=False)
+        raise typer.Exit(EXIT_CONFIG) from None
+
+
+@app.command("install-notifier")
+def install_notifier_command(
+    node: Annotated[str, typer.Argument(help="Node name from the configuration")],
+    config: ConfigOption = Path("cluster.toml"),
+    prefix: Annotated[str, typer.Option(help="Install below this root (test beds)")] = "/",
+) -> None:
+    """Install the reboot notifier on NODE over SSH (idempotent); prints what changed."""
+    cluster = _load(config)
+    from deployments.install_notifier import install_notifier
+
+    try:
+        for line in install_notifier(cluster, node, prefix):
+            out.print(line, markup=False, highlight=False)
+    except ValueError as exc:
+        err.print(str(exc), markup=False, highlight=False)
+        raise typer.Exit(EXIT_CONFIG) from None
+    except RemoteError as exc:
+        err.print(str(exc), markup=False, highlight=False)
+        raise typer.Exit(EXIT_UNREACHABLE) from None
 
 
 def main() -> None:

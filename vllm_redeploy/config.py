@@ -282,6 +282,35 @@ class ProbeConfig(_Section):
     timeout_s: Seconds = Field(60, description="How long the probe request may take.")
 
 
+class WebhookConfig(_Section):
+    url: (
+        Annotated[
+            str,
+            _matches(
+                re.compile(r"^https?://[A-Za-z0-9._:\[\]-]+(/[A-Za-z0-9._/-]*)?$"), "http(s) URL"
+            ),
+        ]
+        | None
+    ) = Field(
+        None,
+        description="Where the nodes' notifier reaches the webhook, e.g. http://controller:8787.",
+    )
+    host: Annotated[str, _matches(_HOST, "bind address")] = Field(
+        "127.0.0.1", description="Address the webhook service binds (0.0.0.0 for the fabric)."
+    )
+    port: Port = Field(8787, description="Port of the webhook service.")
+    replay_window_s: Seconds = Field(
+        300, description="Signed calls older or newer than this are refused (replay protection)."
+    )
+    max_body_bytes: int = Field(4096, ge=256, le=1_048_576, description="Largest accepted body.")
+    reboot_debounce_s: Seconds = Field(
+        600, description="after-reboot: further reboot events within this window start no run."
+    )
+    reboot_delay_s: float = Field(
+        60, ge=0, description="after-reboot: wait this long after the first event before the run."
+    )
+
+
 class SecretsConfig(_Section):
     hf_token: SecretStr | None = Field(
         None, description="Hugging Face token (HF_TOKEN in the containers)."
@@ -312,6 +341,7 @@ class ClusterConfig(BaseSettings):
     autostart: AutostartConfig = Field(default_factory=AutostartConfig)
     deadlines: DeadlinesConfig = Field(default_factory=DeadlinesConfig)
     probe: ProbeConfig = Field(default_factory=ProbeConfig)
+    webhook: WebhookConfig = Field(default_factory=WebhookConfig)
     secrets: SecretsConfig = Field(default_factory=SecretsConfig)
 
     @classmethod

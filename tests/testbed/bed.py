@@ -192,6 +192,7 @@ class TestBed:
                 "model": str(self.model_dir),
                 "served_model_name": SERVED_NAME,
                 "port": 30000,
+                "host": self.nodes[0].ip,  # beds at other addresses can serve side by side
                 "tensor_parallel_size": len(self.nodes),
                 "reasoning_parser": "qwen3",
                 "gpu_device_request": False,  # no GPUs here: the stand-ins emulate them

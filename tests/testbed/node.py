@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -60,6 +61,11 @@ class EmulatedNode:
     def units_dir(self) -> Path:
         return self.root / "units"
 
+    @property
+    def boot_id_file(self) -> Path:
+        """The node's /proc/sys/kernel/random/boot_id: a new uuid4 at every start()."""
+        return self.root / "boot_id"
+
     def env(self) -> dict[str, str]:
         """The node's login environment: what its sshd gives every session."""
         return {
@@ -86,6 +92,7 @@ class EmulatedNode:
     def start(self, client_key: Path, expect_back: list[str] | None = None) -> None:
         """Power on: the Docker engine (restart policies apply), sshd, then enabled units.
         ``expect_back``: containers the engine restarts by policy; waited for, as a boot is."""
+        self.boot_id_file.write_text(f"{uuid.uuid4()}\n")
         self.engine.start()
         if expect_back:
             wait_until(

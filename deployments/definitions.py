@@ -1,0 +1,86 @@
+"""The three deployments of the flow, in code: `vllm-redeploy serve` runs them from one process.
+
+prefect.yaml declares the same three for `prefect deploy --all` with a work pool; a test keeps
+the two in step.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from prefect.client.schemas.objects import ConcurrencyLimitConfig
+from prefect.events import DeploymentEventTrigger
+from prefect.events.schemas.events import ResourceSpecification
+from prefect.schedules import Cron
+
+from vllm_redeploy.config import ClusterConfig
+
+REBOOT_EVENT = "vllm.node.rebooted"
+NIGHTLY_CRON = "0 4 * * *"
+NIGHTLY_TIMEZONE = "UTC"  # explicit: the schedule must not move with the controller's locale
+# One run at a time per cluster; a run that arrives meanwhile waits (a recovery run must never
+# be dropped, which CANCEL_NEW would do).
+ONE_AT_A_TIME = ConcurrencyLimitConfig(limit=1, collision_strategy="ENQUEUE")
+
+
+def reboot_trigger(config: ClusterConfig) -> DeploymentEventTrigger:
+    """Fire on the first reboot event of this cluster's nodes, then ignore more for the debounce
+    window (both nodes of a pair reboot within minutes); the run starts after a delay, and its
+    preflight waits for late nodes anyway."""
+    return DeploymentEventTrigger(
+        name=f"{config.name}: a node rebooted",
+        expect={REBOOT_EVENT},
+        match=ResourceSpecification({"vllm-redeploy.cluster": config.name}),
+        posture="Reactive",
+        threshold=1,
+        within=timedelta(seconds=config.webhook.reboot_debounce_s),
+        schedule_after=timedelta(seconds=config.webhook.reboot_delay_s),
+        parameters={"mode": "ensure"},
+    )
+
+
+def deployment_specs(config: ClusterConfig, config_path: Path) -> list[dict[str, Any]]:
+    """Keyword arguments of ``flow.to_deployment`` for nightly, after-reboot and manual."""
+    params = {"config_path": str(config_path.resolve())}
+    tags = ["vllm-redeploy", f"cluster:{config.name}"]
+    return [
+        {
+            "name": f"{config.name}-nightly",
+            "description": "Every night: a full redeploy, so the cluster starts the day fresh.",
+            "schedules": [Cron(NIGHTLY_CRON, timezone=NIGHTLY_TIMEZONE, slug="nightly")],
+            "parameters": {**params, "mode": "redeploy"},
+            "tags": [*tags, "nightly"],
+            "concurrency_limit": ONE_AT_A_TIME,
+        },
+        {
+            "name": f"{config.name}-after-reboot",
+            "description": "After a node reboots: bring the model back if it is not healthy.",
+            "triggers": [reboot_trigger(config)],
+            "parameters": {**params, "mode": "ensure"},
+            "tags": [*tags, "after-reboot"],
+            "concurrency_limit": ONE_AT_A_TIME,
+        },
+        {
+            "name": f"{config.name}-manual",
+            "description": "From the UI: pick the mode (ensure or redeploy) and run.",
+            "parameters": {**params, "mode": "ensure"},
+            "tags": [*tags, "manual"],
+            "concurrency_limit": ONE_AT_A_TIME,
+        },
+    ]
+
+
+def serve_deployments(config: ClusterConfig, config_path: Path) -> None:
+    """Serve the three deployments from this process (no work pool). Schedules stay active
+    when it stops: a controller restart must not silently pause the nightly run."""
+    from prefect import serve
+
+    from flows.redeploy import redeploy_vllm_cluster
+
+    deployments = [
+        redeploy_vllm_cluster.to_deployment(**spec)
+        for spec in deployment_specs(config, config_path)
+    ]
+    serve(*deployments, pause_on_shutdown=False)

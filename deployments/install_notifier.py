@@ -1,0 +1,190 @@
+"""Install the reboot notifier on a node over its SSH runner: idempotent, and says what changed.
+
+Four files go to the node: the script, its systemd unit, its settings (notifier.env) and the
+shared secret (notifier.secret, 0600). Contents travel on stdin, never on the command line, so the
+secret shows in no process list or log. A file is written only when its sha256 or mode differs
+from what is there; the unit is reloaded only when it changed, then enabled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import posixpath
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm_redeploy.config import ClusterConfig
+from vllm_redeploy.nodes import NodeAccess, RemoteError, Runner
+
+UNIT_NAME = "vllm-redeploy-notify.service"
+SCRIPT_PATH = "usr/local/lib/vllm-redeploy/notify.py"
+UNIT_PATH = f"etc/systemd/system/{UNIT_NAME}"
+ENV_PATH = "etc/vllm-redeploy/notifier.env"
+SECRET_PATH = "etc/vllm-redeploy/notifier.secret"  # noqa: S105 - a path, not a secret
+SOURCE_DIR = Path(__file__).resolve().parent / "notifier"
+COMMAND_TIMEOUT_S = 30.0
+
+# $1 = path, $2 = octal mode; the content is on stdin. Parent directories get 0755, the file
+# is written under umask 077 to a temporary name, given its mode, then renamed into place.
+_WRITE = (
+    '(umask 022; mkdir -p -- "$(dirname -- "$1")") && umask 077 && cat > "$1.tmp" '
+    '&& chmod "$2" "$1.tmp" && mv -f -- "$1.tmp" "$1"'
+)
+# One line per path argument: "<octal mode> <sha256>", or "missing".
+_STATE = (
+    'for f; do if [ -f "$f" ]; then printf "%s %s\\n" "$(stat -c %a -- "$f")" '
+    '"$(sha256sum < "$f" | cut -d" " -f1)"; else echo missing; fi; done'
+)
+
+
+class NotifierInstallError(RemoteError):
+    """The notifier could not be installed on a node (the message says why and what to do)."""
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (NotifierInstallError, (self.node, self.message))
+
+
+@dataclass(frozen=True)
+class NotifierFile:
+    label: str
+    path: str
+    content: bytes
+    mode: int
+
+
+def _under(prefix: str, path: str) -> str:
+    return posixpath.join(prefix or "/", path)
+
+
+def notifier_files(
+    config: ClusterConfig, node_name: str, prefix: str = "/", boot_id_file: str | None = None
+) -> list[NotifierFile]:
+    """What goes to the node: (label, path, content, mode) for each file, paths under ``prefix``.
+
+    The paths inside notifier.env include ``prefix`` (the script runs on the node and reads them
+    from there); the unit keeps its fixed ExecStart path.
+    """
+    if config.webhook.url is None:
+        raise ValueError(
+            "webhook.url is not set: set it in the [webhook] section of the configuration to the "
+            "address at which the nodes reach the webhook service, e.g. http://controller:8787"
+        )
+    secret = config.secrets.webhook_secret
+    if secret is None or not secret.get_secret_value():
+        raise ValueError(
+            "no webhook secret is configured: set VLLM_REDEPLOY_SECRETS__WEBHOOK_SECRET (the same "
+            "value the webhook service uses) before installing the notifier"
+        )
+    if node_name not in {n.name for n in config.nodes}:
+        names = ", ".join(n.name for n in config.nodes)
+        raise ValueError(f"no node {node_name!r} in the configuration; nodes: {names}")
+    secret_path = _under(prefix, SECRET_PATH)
+    env_lines = [
+        "# vllm-redeploy reboot notifier; written by `vllm-redeploy install-notifier`.",
+        f"URL={config.webhook.url}",
+        f"NODE={node_name}",
+        f"SECRET_FILE={secret_path}",
+    ]
+    if boot_id_file:
+        env_lines.append(f"BOOT_ID_FILE={boot_id_file}")
+    return [
+        NotifierFile(
+            "notify.py", _under(prefix, SCRIPT_PATH), (SOURCE_DIR / "notify.py").read_bytes(), 0o755
+        ),
+        NotifierFile(
+            UNIT_NAME,
+            _under(prefix, UNIT_PATH),
+            (SOURCE_DIR / UNIT_NAME).read_bytes(),
+            0o644,
+        ),
+        NotifierFile(
+            "notifier.env", _under(prefix, ENV_PATH), "\n".join(env_lines).encode() + b"\n", 0o644
+        ),
+        NotifierFile(
+            "notifier.secret", secret_path, secret.get_secret_value().encode() + b"\n", 0o600
+        ),
+    ]
+
+
+def install_notifier(
+    config: ClusterConfig,
+    node_name: str,
+    prefix: str = "/",
+    *,
+    enable: bool = True,
+    boot_id_file: str | None = None,
+    runner: Runner | None = None,
+) -> list[str]:
+    """Install (or bring up to date) the notifier on ``node_name``; one human line per step.
+
+    ``prefix``: root under which the files go (test beds, chroots). ``enable=False`` only writes
+    the files (an image build enables the unit itself). ``boot_id_file`` overrides where the
+    script reads the boot id (default /proc/sys/kernel/random/boot_id). ``runner``: use this
+    runner instead of opening the node's own (it is not closed).
+    Raises ValueError for configuration problems, RemoteError when the node fails us.
+    """
+    if not prefix.startswith("/"):
+        raise ValueError(f"prefix must be an absolute path on the node, got {prefix!r}")
+    files = notifier_files(config, node_name, prefix, boot_id_file)
+    if runner is not None:
+        return _install(runner, files, enable)
+    node = next(n for n in config.nodes if n.name == node_name)
+    with NodeAccess(node, config) as access:
+        return _install(access.runner, files, enable)
+
+
+def _install(runner: Runner, files: list[NotifierFile], enable: bool) -> list[str]:
+    sudo, lines = _privilege(runner)
+
+    def run(*argv: str, stdin: bytes | None = None, check: bool = True) -> str:
+        return runner.run(
+            [*sudo, *argv], stdin=stdin, check=check, timeout=COMMAND_TIMEOUT_S
+        ).stdout
+
+    state = run("sh", "-c", _STATE, "sh", *(f.path for f in files)).splitlines()
+    if len(state) != len(files):
+        raise NotifierInstallError(runner.node, f"unexpected answer checking files: {state!r}")
+    unit_changed = False
+    for file, now in zip(files, state, strict=True):
+        want = hashlib.sha256(file.content).hexdigest()
+        mode, _, digest = now.partition(" ")
+        if now == "missing":
+            how = "written (new)"
+        elif digest != want:
+            how = "written (changed)"
+        elif int(mode, 8) != file.mode:
+            how = f"written (mode {mode} -> {file.mode:o})"
+        else:
+            lines.append(f"{file.label}: unchanged")
+            continue
+        run("sh", "-c", _WRITE, "sh", file.path, f"{file.mode:o}", stdin=file.content)
+        lines.append(f"{file.label}: {how}")
+        unit_changed |= file.label == UNIT_NAME
+    if not enable:
+        lines.append("unit not enabled (enable=False)")
+        return lines
+    if unit_changed:
+        run("systemctl", "daemon-reload")
+        lines.append("systemd reloaded")
+    if run("systemctl", "is-enabled", UNIT_NAME, check=False).strip() == "enabled":
+        lines.append("unit already enabled")
+    else:
+        run("systemctl", "enable", UNIT_NAME)
+        lines.append("unit enabled")
+    return lines
+
+
+def _privilege(runner: Runner) -> tuple[list[str], list[str]]:
+    """``sudo -n`` when the SSH user is not root (checked once), and a line saying so."""
+    if runner.run(["id", "-u"], timeout=COMMAND_TIMEOUT_S).stdout.strip() == "0":
+        return [], []
+    probe = runner.run(["sudo", "-n", "true"], check=False, timeout=COMMAND_TIMEOUT_S)
+    if not probe.ok:
+        reason = probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else "refused"
+        raise NotifierInstallError(
+            runner.node,
+            f"{runner.node}: the SSH user is not root and `sudo -n` was refused ({reason}). "
+            "Installing the notifier writes to /etc and /usr/local and runs systemctl: connect "
+            "as root (ssh_user), or allow this user passwordless sudo on the node.",
+        )
+    return ["sudo", "-n"], ["using sudo -n (the SSH user is not root)"]

@@ -1,0 +1,269 @@
+"""Deployments against a real `prefect server start`: prefect.yaml, `serve`, the reboot trigger."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from deployments.definitions import deployment_specs
+from deployments.events import EventSender
+from deployments.webhook import running_webhook, sign
+from tests.conftest import make_bed
+from tests.testbed.bed import TestBed
+from tests.testbed.procs import spawn, stop
+from vllm_redeploy.config import load_config
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def api(url: str, method: str, path: str, body: Any = None) -> Any:
+    response = httpx.request(method, f"{url}{path}", json=body, timeout=30)
+    response.raise_for_status()
+    return response.json() if response.content else None
+
+
+def deployments_by_name(url: str) -> dict[str, dict[str, Any]]:
+    return {d["name"]: d for d in api(url, "POST", "/deployments/filter", {})}
+
+
+def test_prefect_yaml_registers_three_deployments(prefect_api: str, tmp_path: Path) -> None:
+    cluster = f"yaml{uuid.uuid4().hex[:6]}"
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": prefect_api,
+        "VLLM_REDEPLOY_CLUSTER": cluster,
+        "VLLM_REDEPLOY_CONFIG": str(tmp_path / "cluster.toml"),
+        "VLLM_REDEPLOY_HOME": str(REPO),
+    }
+    subprocess.run(
+        [
+            str(BIN / "prefect"),
+            "work-pool",
+            "create",
+            "vllm-redeploy",
+            "--type",
+            "process",
+            "--overwrite",
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
+    done = subprocess.run(
+        [str(BIN / "prefect"), "--no-prompt", "deploy", "--all"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = deployments_by_name(prefect_api)
+    names = {f"{cluster}-{kind}" for kind in ("nightly", "after-reboot", "manual")}
+    assert names <= set(found)
+    for name in names:
+        d = found[name]
+        assert d["work_pool_name"] == "vllm-redeploy"
+        # The server keeps a deployment's limit as a global concurrency limit of its own.
+        assert d["global_concurrency_limit"]["limit"] == 1
+        assert d["concurrency_options"]["collision_strategy"] == "ENQUEUE"
+        assert d["parameters"]["config_path"] == str(tmp_path / "cluster.toml")
+    (nightly,) = found[f"{cluster}-nightly"]["schedules"]
+    assert nightly["schedule"]["cron"] == "0 4 * * *" and nightly["schedule"]["timezone"] == "UTC"
+    assert nightly["slug"] == "nightly" and nightly["active"]
+    assert found[f"{cluster}-nightly"]["parameters"]["mode"] == "redeploy"
+    assert not found[f"{cluster}-manual"]["schedules"]
+    automations = api(prefect_api, "POST", "/automations/filter", {})
+    (trigger,) = [
+        a["trigger"]
+        for a in automations
+        if a["trigger"].get("match", {}).get("vllm-redeploy.cluster") == cluster
+    ]
+    assert trigger["expect"] == ["vllm.node.rebooted"] and trigger["posture"] == "Reactive"
+    assert (trigger["threshold"], trigger["within"]) == (1, 600.0)
+
+
+def test_serve_and_prefect_yaml_declare_the_same_deployments() -> None:
+    config = load_config(REPO / "cluster.example.toml", env_file=None)
+    specs = {
+        s["name"].removeprefix(f"{config.name}-"): s
+        for s in deployment_specs(config, REPO / "cluster.example.toml")
+    }
+    declared = {
+        d["name"].split("}}-")[-1]: d
+        for d in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
+    }
+    assert set(specs) == set(declared) == {"nightly", "after-reboot", "manual"}
+    for kind, spec in specs.items():
+        assert spec["parameters"]["mode"] == declared[kind]["parameters"]["mode"]
+        assert declared[kind]["concurrency_limit"] == {"limit": 1, "collision_strategy": "ENQUEUE"}
+    (schedule,) = specs["nightly"]["schedules"]
+    (yaml_schedule,) = declared["nightly"]["schedules"]
+    assert (schedule.cron, schedule.timezone) == (yaml_schedule["cron"], yaml_schedule["timezone"])
+    (trigger,) = specs["after-reboot"]["triggers"]
+    (yaml_trigger,) = declared["after-reboot"]["triggers"]
+    assert trigger.within.total_seconds() == yaml_trigger["within"]
+    assert trigger.schedule_after.total_seconds() == yaml_trigger["schedule_after"]
+
+
+# --- the reboot trigger end to end: signed webhook calls -> events -> one run, by `serve` ---
+
+SECRET = "test-webhook-secret-" + uuid.uuid4().hex
+
+
+@pytest.fixture(scope="module")
+def served(
+    prefect_api: str, monkeypatch_module: pytest.MonkeyPatch
+) -> Iterator[tuple[TestBed, Path, str]]:
+    monkeypatch_module.setenv("VLLM_REDEPLOY_SECRETS__WEBHOOK_SECRET", SECRET)
+    bed = make_bed(2, "h200", first_ip=81)
+    proc = None
+    sender = EventSender(prefect_api)
+    try:
+        path = bed.write_config(
+            bed.root / "served.toml",
+            name=f"srv{uuid.uuid4().hex[:6]}",
+            vllm={"env": {"VRD_LOAD_SECONDS": "1"}},
+            webhook={"reboot_debounce_s": 120, "reboot_delay_s": 0},
+        )
+        config = load_config(path, env_file=None)
+        env = {"PREFECT_API_URL": prefect_api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+        proc = spawn(
+            [str(BIN / "vllm-redeploy"), "serve", "--config", str(path)],
+            bed.root / "serve.log",
+            env,
+        )
+        deadline = time.monotonic() + 60
+        while f"{config.name}-after-reboot" not in deployments_by_name(prefect_api):
+            assert time.monotonic() < deadline, (bed.root / "serve.log").read_text()[-2000:]
+            time.sleep(0.5)
+        with running_webhook(config, sender) as url:
+            yield bed, path, url
+    finally:
+        sender.close(timeout=10)
+        if proc is not None:
+            stop(proc, grace=10)
+        bed.down()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+def call(
+    url: str,
+    node: str,
+    boot_id: str,
+    secret: str = SECRET,
+    stamp: int | None = None,
+    body: bytes | None = None,
+    signed: bool = True,
+) -> httpx.Response:
+    body = body or json.dumps({"node": node, "boot_id": boot_id, "uptime_s": 9.5}).encode()
+    stamp = int(time.time()) if stamp is None else stamp
+    headers = {"Content-Type": "application/json"}
+    if signed:
+        headers |= {
+            "X-Vllm-Redeploy-Timestamp": str(stamp),
+            "X-Vllm-Redeploy-Signature": sign(secret, stamp, body),
+        }
+    return httpx.post(f"{url}/reboot", content=body, headers=headers, timeout=10)
+
+
+def runs_of(url: str, deployment_id: str) -> list[dict[str, Any]]:
+    return api(
+        url,
+        "POST",
+        "/flow_runs/filter",
+        {"flow_runs": {"deployment_id": {"any_": [deployment_id]}}},
+    )
+
+
+def wait_for_runs(url: str, deployment_id: str, count: int, timeout: float) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        runs = runs_of(url, deployment_id)
+        final = [r for r in runs if r["state_type"] in ("COMPLETED", "FAILED", "CRASHED")]
+        if len(final) >= count:
+            return runs
+        assert time.monotonic() < deadline, [(r["name"], r["state_type"]) for r in runs]
+        time.sleep(1)
+
+
+def after_reboot(url: str, path: Path) -> dict[str, Any]:
+    config = load_config(path, env_file=None)
+    return deployments_by_name(url)[f"{config.name}-after-reboot"]
+
+
+def test_bad_calls_start_no_run(prefect_api: str, served: tuple[TestBed, Path, str]) -> None:
+    _, path, url = served
+    deployment = after_reboot(prefect_api, path)
+    boot = str(uuid.uuid4())
+    assert call(url, "node-1", boot, signed=False).status_code == 401
+    assert call(url, "node-1", boot, secret="forged-secret-forged").status_code == 401
+    assert call(url, "node-1", boot, stamp=int(time.time()) - 3600).status_code == 401  # replay
+    assert call(url, "node-1", boot, body=b"{" + b" " * 10_000 + b"}").status_code == 413
+    assert call(url, "not-a-node", boot).status_code == 400
+    time.sleep(8)  # the server persists events every few seconds; triggers act on them
+    assert runs_of(prefect_api, deployment["id"]) == []
+
+
+def test_two_node_reboots_lead_to_one_redeploy(
+    prefect_api: str, served: tuple[TestBed, Path, str]
+) -> None:
+    bed, path, url = served
+    deployment = after_reboot(prefect_api, path)
+    sent = []
+    for node in bed.nodes:
+        bed.reboot(node.name)
+        boot_id = node.boot_id_file.read_text().strip()
+        for _ in range(2):  # a notifier retrying the same boot
+            assert call(url, node.name, boot_id).status_code == 202
+        sent.append(time.time())
+        time.sleep(2)
+    runs = wait_for_runs(prefect_api, deployment["id"], 1, timeout=150)
+    time.sleep(5)  # a second run would have been created by now
+    runs = runs_of(prefect_api, deployment["id"])
+    assert len(runs) == 1, [(r["name"], r["state_type"]) for r in runs]
+    assert runs[0]["state_type"] == "COMPLETED" and runs[0]["parameters"]["mode"] == "ensure"
+    started = datetime.fromisoformat(runs[0]["start_time"]).timestamp()
+    print(f"signed webhook call -> flow run Running: {started - sent[0]:.1f} s")
+
+
+def test_calls_for_another_cluster_start_nothing(
+    prefect_api: str, served: tuple[TestBed, Path, str]
+) -> None:
+    _, path, _ = served
+    deployment = after_reboot(prefect_api, path)
+    before = len(runs_of(prefect_api, deployment["id"]))
+    config = load_config(path, env_file=None)
+    event = {
+        "id": str(uuid.uuid4()),
+        "occurred": datetime.now(UTC).isoformat(),
+        "event": "vllm.node.rebooted",
+        "resource": {
+            "prefect.resource.id": "vllm-redeploy.node.other.node-1",
+            "vllm-redeploy.cluster": "other",
+            "vllm-redeploy.node": "node-1",
+        },
+    }
+    api(prefect_api, "POST", "/events", [event])
+    time.sleep(8)
+    assert len(runs_of(prefect_api, deployment["id"])) == before
+    assert config.name != "other"

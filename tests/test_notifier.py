@@ -1,0 +1,297 @@
+"""The node notifier: installed over SSH onto a test-bed node (under the node's root, not the real
+/etc), run there after a real bed reboot against the real webhook and Prefect server; and its
+retry rules against a webhook that is down, or that refuses."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import docker.errors
+import pytest
+
+from deployments.events import EventSender, reboot_event_id
+from deployments.install_notifier import (
+    ENV_PATH,
+    SCRIPT_PATH,
+    SECRET_PATH,
+    UNIT_NAME,
+    UNIT_PATH,
+    install_notifier,
+)
+from deployments.webhook import SECRET_ENV, running_webhook
+from tests.test_webhook import make_config, wait_for_event
+from tests.testbed.bed import TestBed
+from tests.testbed.image import OLD_STACK_IMAGE
+from tests.testbed.node import EmulatedNode
+from tests.testbed.procs import free_port
+from tests.testbed.standins import systemctl
+from vllm_redeploy.config import ClusterConfig, load_config
+from vllm_redeploy.nodes import SSHRunner, runner_for
+from vllm_redeploy.nodes.runner import OutputCapture
+
+pytestmark = pytest.mark.integration
+
+NODE = "node-2"
+SCRIPT = Path(__file__).resolve().parents[1] / "deployments" / "notifier" / "notify.py"
+PYTHON = "/usr/bin/python3"  # what the unit's ExecStart runs
+# The systemctl stand-in only knows units in its units dir: this one stands for the notifier's
+# unit, so `enable` works and the bed "starts" it at boot (a container that exits at once).
+STANDIN_CONTAINER = "vrd-notify-standin"
+
+
+@dataclass
+class Setup:
+    bed: TestBed
+    node: EmulatedNode
+    config: ClusterConfig
+    secret: str
+    api: str
+    sender: EventSender
+
+    @property
+    def prefix(self) -> str:
+        return str(self.node.root)
+
+    def path(self, relative: str) -> Path:
+        return self.node.root / relative
+
+
+class RecordingRunner(SSHRunner):
+    """The real SSH runner, keeping what each command was given."""
+
+    def __init__(self, base: SSHRunner) -> None:
+        super().__init__(base.node, base.target, base.secrets)
+        self.calls: list[tuple[tuple[str, ...], dict[str, str], bytes | None]] = []
+
+    def _execute(
+        self,
+        argv: tuple[str, ...],
+        *,
+        env: dict[str, str],
+        stdin: bytes | None,
+        timeout: float,
+        capture: OutputCapture,
+    ) -> tuple[int | None, bool]:
+        self.calls.append((argv, dict(env), stdin))
+        return super()._execute(argv, env=env, stdin=stdin, timeout=timeout, capture=capture)
+
+
+def _clean(node: EmulatedNode) -> None:
+    for top in ("etc", "usr"):
+        shutil.rmtree(node.root / top, ignore_errors=True)
+    (node.units_dir / f"{UNIT_NAME}.json").unlink(missing_ok=True)
+    with (
+        contextlib.closing(node.engine.client()) as client,
+        contextlib.suppress(docker.errors.NotFound),
+    ):
+        client.containers.get(STANDIN_CONTAINER).remove(force=True)
+
+
+@pytest.fixture(scope="module")
+def setup(
+    bed: TestBed, prefect_api: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Setup]:
+    secret = secrets.token_hex(32)
+    port = free_port("127.0.0.1")
+    path = tmp_path_factory.mktemp("notifier") / "cluster.toml"
+    bed.write_config(
+        path,
+        name=f"nt{uuid.uuid4().hex[:8]}",  # type: ignore[arg-type]
+        webhook={"url": f"http://127.0.0.1:{port}"},
+    )
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(SECRET_ENV, secret)  # as an operator would; never in a file
+        config = load_config(path, env_file=None)
+    assert secret not in path.read_text()
+    node = bed.node(NODE)
+    _clean(node)
+    systemctl.define(
+        node.units_dir, UNIT_NAME, STANDIN_CONTAINER, OLD_STACK_IMAGE, ["true"], enabled=False
+    )
+    sender = EventSender(prefect_api)
+    try:
+        with running_webhook(config, sender, port=port):
+            yield Setup(bed, node, config, secret, prefect_api, sender)
+    finally:
+        sender.close(timeout=10)
+        _clean(node)
+
+
+@pytest.fixture(scope="module")
+def installed(setup: Setup) -> Setup:
+    install_notifier(setup.config, NODE, setup.prefix, boot_id_file=str(setup.node.boot_id_file))
+    return setup
+
+
+def test_install_is_idempotent_and_keeps_the_secret_off_argv(setup: Setup) -> None:
+    node_config = next(n for n in setup.config.nodes if n.name == NODE)
+    runner = RecordingRunner(runner_for(node_config, setup.config))  # type: ignore[arg-type]
+    with runner:
+        first = install_notifier(
+            setup.config,
+            NODE,
+            setup.prefix,
+            boot_id_file=str(setup.node.boot_id_file),
+            runner=runner,
+        )
+    assert first == [
+        "notify.py: written (new)",
+        f"{UNIT_NAME}: written (new)",
+        "notifier.env: written (new)",
+        "notifier.secret: written (new)",
+        "systemd reloaded",
+        "unit enabled",
+    ]
+    assert setup.node.systemctl("is-enabled", UNIT_NAME).stdout.strip() == "enabled"
+    assert setup.path(SCRIPT_PATH).read_bytes() == SCRIPT.read_bytes()
+    assert setup.path(UNIT_PATH).read_bytes() == (SCRIPT.parent / UNIT_NAME).read_bytes()
+    modes = {p: setup.path(p).stat().st_mode & 0o777 for p in (SCRIPT_PATH, ENV_PATH, SECRET_PATH)}
+    assert modes == {SCRIPT_PATH: 0o755, ENV_PATH: 0o644, SECRET_PATH: 0o600}
+    assert setup.path(SECRET_PATH).read_text() == setup.secret + "\n"
+    env_file = setup.path(ENV_PATH).read_text()
+    assert f"URL={setup.config.webhook.url}\n" in env_file
+    assert f"NODE={NODE}\n" in env_file
+    assert f"SECRET_FILE={setup.path(SECRET_PATH)}\n" in env_file
+    assert setup.secret not in env_file
+    # The secret went to the node on stdin once, and never on a command line or in env.
+    secret = setup.secret.encode()
+    assert all(setup.secret not in " ".join(argv) for argv, _, _ in runner.calls)
+    assert all(setup.secret not in " ".join(env.values()) for _, env, _ in runner.calls)
+    assert sum(secret in (stdin or b"") for _, _, stdin in runner.calls) == 1
+
+    second = install_notifier(
+        setup.config, NODE, setup.prefix, boot_id_file=str(setup.node.boot_id_file)
+    )
+    assert second == [
+        "notify.py: unchanged",
+        f"{UNIT_NAME}: unchanged",
+        "notifier.env: unchanged",
+        "notifier.secret: unchanged",
+        "unit already enabled",
+    ]
+
+    # Drift on the node is repaired, and only it.
+    with setup.path(ENV_PATH).open("a") as f:
+        f.write("MAX_WAIT_S=5\n")
+    setup.path(SECRET_PATH).chmod(0o644)
+    third = install_notifier(
+        setup.config, NODE, setup.prefix, boot_id_file=str(setup.node.boot_id_file)
+    )
+    assert third == [
+        "notify.py: unchanged",
+        f"{UNIT_NAME}: unchanged",
+        "notifier.env: written (changed)",
+        "notifier.secret: written (mode 644 -> 600)",
+        "unit already enabled",
+    ]
+    assert setup.path(SECRET_PATH).stat().st_mode & 0o777 == 0o600
+
+
+def test_install_needs_the_webhook_url_and_secret(setup: Setup) -> None:
+    no_url = make_config("x", "s" * 32)
+    with pytest.raises(ValueError, match=r"webhook\.url"):
+        install_notifier(no_url, "node-1", setup.prefix)
+    no_secret = make_config("x", None, url="http://127.0.0.1:9")
+    with pytest.raises(ValueError, match=SECRET_ENV):
+        install_notifier(no_secret, "node-1", setup.prefix)
+    with pytest.raises(ValueError, match="no node 'node-7'"):
+        install_notifier(make_config("x", "s" * 32, url="http://127.0.0.1:9"), "node-7")
+
+
+def test_notifier_after_a_reboot_gets_its_event_into_prefect(installed: Setup) -> None:
+    setup = installed
+    old_boot = setup.node.boot_id_file.read_text().strip()
+    setup.bed.reboot(NODE)
+    boot_id = setup.node.boot_id_file.read_text().strip()
+    assert boot_id != old_boot
+    with contextlib.closing(setup.node.engine.client()) as client:
+        client.containers.get(STANDIN_CONTAINER)  # the enabled unit was started at boot
+
+    node_config = next(n for n in setup.config.nodes if n.name == NODE)
+    with runner_for(node_config, setup.config) as runner:
+        result = runner.run(
+            [PYTHON, str(setup.path(SCRIPT_PATH))],
+            env={"VRD_NOTIFIER_ENV": str(setup.path(ENV_PATH))},
+            timeout=60,
+            check=False,
+        )
+    assert result.exit_code == 0, result.stderr
+    assert "202 accepted" in result.stderr
+    assert setup.secret not in result.stderr + result.stdout
+    event_id = reboot_event_id(setup.config.name, NODE, boot_id)
+    event = wait_for_event(setup.api, setup.config.name, event_id)
+    assert event["resource"]["vllm-redeploy.node"] == NODE
+    assert event["payload"]["boot_id"] == boot_id
+    assert event["payload"]["uptime_s"] > 0
+
+
+def _notifier(
+    tmp_path: Path, secret: str, url: str, node: str = "node-1", max_wait_s: float = 30
+) -> tuple[list[str], dict[str, str], str]:
+    """argv and environment to run notify.py here, with its own env, secret and boot id files."""
+    secret_file = tmp_path / "notifier.secret"
+    secret_file.write_text(secret + "\n")
+    secret_file.chmod(0o600)
+    boot_id = str(uuid.uuid4())
+    (tmp_path / "boot_id").write_text(boot_id + "\n")
+    env_file = tmp_path / "notifier.env"
+    env_file.write_text(
+        f"URL={url}\nNODE={node}\nSECRET_FILE={secret_file}\n"
+        f"BOOT_ID_FILE={tmp_path / 'boot_id'}\nMAX_WAIT_S={max_wait_s}\n"
+    )
+    env = {"PATH": os.environ["PATH"], "VRD_NOTIFIER_ENV": str(env_file)}
+    return [PYTHON, str(SCRIPT)], env, boot_id
+
+
+def test_notifier_retries_until_the_webhook_comes_up(setup: Setup, tmp_path: Path) -> None:
+    port = free_port("127.0.0.1")
+    argv, env, boot_id = _notifier(tmp_path, setup.secret, f"http://127.0.0.1:{port}")
+    started = time.monotonic()
+    proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(2.5)  # attempts at 0 s and 1 s find nothing listening
+        with running_webhook(setup.config, setup.sender, port=port):
+            _, stderr = proc.communicate(timeout=20)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+    elapsed = time.monotonic() - started
+    attempts = stderr.splitlines()
+    assert proc.returncode == 0, stderr
+    assert len(attempts) >= 3 and "retrying in 1 s" in attempts[0], stderr
+    assert "202 accepted" in attempts[-1]
+    assert 2.5 < elapsed < 10
+    wait_for_event(
+        setup.api, setup.config.name, reboot_event_id(setup.config.name, "node-1", boot_id)
+    )
+
+
+def test_notifier_gives_up_at_once_when_refused(setup: Setup, tmp_path: Path) -> None:
+    argv, env, _ = _notifier(tmp_path, setup.secret, str(setup.config.webhook.url), node="node-9")
+    started = time.monotonic()
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2, proc.stderr
+    assert time.monotonic() - started < 3
+    assert len(proc.stderr.splitlines()) == 1 and "HTTP 400" in proc.stderr
+
+
+def test_notifier_retries_401_then_gives_up_after_max_wait(setup: Setup, tmp_path: Path) -> None:
+    argv, env, _ = _notifier(
+        tmp_path, "not-the-secret-" * 4, str(setup.config.webhook.url), max_wait_s=2
+    )
+    started = time.monotonic()
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1, proc.stderr
+    assert 1.5 < time.monotonic() - started < 6
+    lines = proc.stderr.splitlines()
+    assert len(lines) >= 2 and all("HTTP 401" in line for line in lines)
+    assert "not-the-secret" not in proc.stderr
