@@ -204,7 +204,11 @@ class TestBed:
                     "VRD_LOAD_SECONDS": "3",
                 },
             },
-            "ray": {"extra_args": ["--num-cpus=1", "--object-store-memory=78643200"]},
+            # Ray's GCS listens on all addresses: beds side by side need their own port.
+            "ray": {
+                "port": 6300 + int(self.nodes[0].ip.rsplit(".", 1)[1]),
+                "extra_args": ["--num-cpus=1", "--object-store-memory=78643200"],
+            },
             "autostart": {"containers": ["glm-*"], "units": ["glm-server.service"]},
             "deadlines": {
                 "model_load_s": 120,
