@@ -27,10 +27,9 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.testing.utilities import prefect_test_harness
 
+from bench.report import write_results
 from flows.redeploy import redeploy_vllm_cluster
 from tests.testbed.bed import TestBed
-
-RESULTS = Path(__file__).resolve().parent / "results" / "flow_timing.md"
 
 
 async def _task_end(flow_run_id: Any, name: str) -> float:
@@ -99,18 +98,7 @@ def main() -> None:
             f"| {n} | {r['wall_s']:.1f} | {r['overhead_s']:.1f} | {r['ready_lag_s']:.2f} "
             f"| {r['crash_lag_s']:.2f} |"
         )
-    lines += [
-        "",
-        "Command: `.venv/bin/python -m bench.flow_timing "
-        + " ".join(
-            ["--nodes", *map(str, args.nodes), "--load", f"{args.load:g}", "--runs", str(args.runs)]
-        )
-        + "`",
-        "",
-    ]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_results("flow_timing", lines)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,10 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 from prefect.testing.utilities import prefect_test_harness
 
+from bench.report import write_results
 from flows.redeploy import redeploy_vllm_cluster
 from tests.testbed.bed import TestBed
 from tests.testbed.procs import descendants, pids_with_arg
-
-RESULTS = Path(__file__).resolve().parent / "results" / "testbed_bringup.md"
 
 
 def bed_rss_mib(bed: TestBed) -> float:
@@ -77,15 +76,7 @@ def main() -> None:
             lines.append(
                 f"| {n} | {med['up_s']:.1f} | {med['idle_mib']:.0f} | {med['serving_mib']:.0f} |"
             )
-    lines += [
-        "",
-        f"Command: `.venv/bin/python -m bench.testbed_bringup --nodes "
-        f"{' '.join(map(str, args.nodes))} --runs {args.runs}`",
-        "",
-    ]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_results("testbed_bringup", lines)
 
 
 if __name__ == "__main__":
