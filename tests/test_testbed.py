@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -175,3 +178,26 @@ def test_nvidia_smi_on_each_node_shows_that_nodes_gpu_processes(
         holder.kill()
         holder.wait()
     assert access["node-2"].runner.run(query, timeout=10).stdout == ""
+
+
+def test_the_bed_command_line_brings_a_bed_up_and_removes_it() -> None:
+    # Not tmp_path: containerd's socket path under the root must stay below 108 bytes.
+    root = Path(tempfile.mkdtemp(prefix="vrd-cli-", dir="/tmp")) / "b"
+    bed = [sys.executable, "-m", "tests.testbed", "--root", str(root)]
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*bed, *args], capture_output=True, text=True, timeout=120)
+
+    up = run("up", "--nodes", "1", "--first-ip", "130", "--no-old-stack")
+    try:
+        assert up.returncode == 0, up.stderr
+        config = load_config(Path(up.stdout.strip()), env_file=None)
+        assert [n.ip for n in config.nodes] == ["127.0.0.130"]
+        assert run("up", "--nodes", "1").returncode == 2  # one bed per root
+        assert "node-1 127.0.0.130" in run("status").stdout
+        assert run("reboot", "node-1").returncode == 0
+        assert "sshd up, docker up" in run("status").stdout
+    finally:
+        assert run("down").returncode == 0
+    assert not root.exists()
+    root.parent.rmdir()
