@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from prefect import flow
@@ -36,38 +35,32 @@ from tasks.probe import probe_model
 from tasks.ray_head import start_ray_head
 from tasks.stop_autostart import stop_autostart
 from tasks.teardown import teardown_group
-from tasks.wait_ready import wait_until_ready
+from tasks.wait_ready import api_url, wait_until_ready
 from vllm_redeploy.config import load_config
 from vllm_redeploy.nodes import RemoteError
+from vllm_redeploy.summary import RunSummary, StepEvent, render_markdown, report
 
 Mode = Literal["redeploy", "ensure"]
 
 
-@dataclass
-class Outcome:
-    """What the run did, step by step; the flow's return value and the summary artifact."""
-
-    cluster: str
-    mode: str
-    action: str = "redeployed"
-    steps: dict[str, float] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    probe: dict[str, Any] | None = None
-
-
 class Steps:
-    """Times each step and remembers which one is running, for the failure message."""
+    """Times each step, remembers which one is running (for the failure message) and reports
+    its progress to whoever listens in this process (``vllm_redeploy.summary.report``)."""
 
-    def __init__(self, outcome: Outcome) -> None:
-        self.outcome = outcome
+    def __init__(self, summary: RunSummary) -> None:
+        self.summary = summary
         self.current = "start"
 
     def __call__(self, name: str, fn: Any, *args: Any) -> Any:
         self.current = name
         log().info("step %s", name)
+        report(StepEvent(name, "running"))
         started = time.monotonic()
-        result = fn(*args)
-        self.outcome.steps[name] = round(time.monotonic() - started, 2)
+        try:
+            result = fn(*args)
+        finally:
+            self.summary.steps[name] = round(time.monotonic() - started, 2)
+        report(StepEvent(name, "done", self.summary.steps[name]))
         return result
 
 
@@ -91,75 +84,89 @@ def redeploy_vllm_cluster(
     """
     config = load_config(config_path)
     run = Run(config)
-    outcome = Outcome(config.name, mode)
-    step = Steps(outcome)
+    summary = RunSummary(
+        config.name,
+        mode,
+        node_ips={n.ip: n.name for n in config.nodes},
+        endpoint=f"{api_url(run)}/v1",
+        model=config.vllm.served_name,
+        image=config.vllm.image,
+    )
+    step = Steps(summary)
     nodes = [n.name for n in config.nodes]
     launched = False
     try:
         if mode == "ensure":
             health = step("inspect", inspect_deployment, run)
             if health.healthy:
-                outcome.action = "already healthy: nothing changed"
-                outcome.notes.append(health.reason)
-                return _finish(run, outcome)
-            outcome.notes.append(f"redeploying: {health.reason}")
+                summary.action = "already healthy: nothing changed"
+                summary.notes.append(health.reason)
+                return _finish(summary)
+            summary.notes.append(f"redeploying: {health.reason}")
         facts = step("preflight", per_node, preflight_node, run, nodes)
+        summary.image_id = next((f.image_id for f in facts if f.image_id), None)
         judge_preflight(run, facts)
-        stopped = step("stop-autostart", per_node, stop_autostart, run, nodes)
-        outcome.notes += [s.summary() for s in stopped]
-        gpus = step("gpus-clear", per_node, wait_gpus_clear, run, nodes)
-        outcome.notes += [g.summary() for g in gpus]
+        summary.stopped = step("stop-autostart", per_node, stop_autostart, run, nodes)
+        summary.gpus = step("gpus-clear", per_node, wait_gpus_clear, run, nodes)
         launched = True
         step("ray-head", start_ray_head, run, config.head.name)
         step("join-workers", per_node, join_worker, run, [w.name for w in config.workers])
-        step("cluster-check", check_ray_cluster, run)
+        summary.members = step("cluster-check", check_ray_cluster, run)
         step("launch-vllm", launch_vllm, run)
         ready = step("wait-ready", wait_until_ready, run)
-        outcome.notes.append(f"model served after {ready.waited_s:.1f} s of loading")
-        verdict = step("probe", probe_model, run)
-        outcome.probe = verdict.as_dict()
-        return _finish(run, outcome)
+        summary.load_s, summary.vllm_version = ready.waited_s, ready.version
+        summary.probe = step("probe", probe_model, run)
+        return _finish(summary)
     except (StepFailed, RemoteError) as exc:
         failed_step = exc.step if isinstance(exc, StepFailed) else step.current
         reason = exc.reason if isinstance(exc, StepFailed) else str(exc)
-        _fail(run, failed_step, reason, tear_down=launched and not keep_on_failure)
+        _fail(run, summary, failed_step, reason, tear_down=launched and not keep_on_failure)
         raise
     finally:
         run.close()
 
 
-def _finish(run: Run, outcome: Outcome) -> dict[str, Any]:
-    lines = [f"# {outcome.cluster}: {outcome.action}", "", "| step | seconds |", "| --- | --- |"]
-    lines += [f"| {name} | {seconds} |" for name, seconds in outcome.steps.items()]
-    lines += ["", *(f"- {note}" for note in outcome.notes)]
-    if outcome.probe:
-        lines.append(f"- probe: {outcome.probe['detail']}")
+def _finish(summary: RunSummary) -> dict[str, Any]:
+    markdown = render_markdown(summary)
     create_markdown_artifact(
-        "\n".join(lines), key=f"{outcome.cluster}-summary", description="what the redeploy did"
+        markdown, key=f"{summary.cluster}-summary", description="what the redeploy did"
     )
     emit_event(
         "vllm.cluster.ready",
-        resource={"prefect.resource.id": f"vllm-redeploy.cluster.{outcome.cluster}"},
-        payload={"mode": outcome.mode, "action": outcome.action, "steps": outcome.steps},
+        resource={"prefect.resource.id": f"vllm-redeploy.cluster.{summary.cluster}"},
+        payload={"mode": summary.mode, "action": summary.action, "steps": summary.steps},
     )
     return {
-        "cluster": outcome.cluster,
-        "mode": outcome.mode,
-        "action": outcome.action,
-        "steps": outcome.steps,
-        "notes": outcome.notes,
-        "probe": outcome.probe,
+        "cluster": summary.cluster,
+        "mode": summary.mode,
+        "action": summary.action,
+        "steps": summary.steps,
+        "notes": summary.notes,
+        "probe": summary.probe.as_dict() if summary.probe else None,
+        "summary": markdown,
     }
 
 
-def _fail(run: Run, step: str, reason: str, tear_down: bool) -> None:
+def _fail(run: Run, summary: RunSummary, step: str, reason: str, tear_down: bool) -> None:
     log().error("failed at %s: %s", step, reason)
+    report(StepEvent(step, "failed", summary.steps.get(step), reason))
+    summary.action, summary.failed_step, summary.failure = f"failed at {step}", step, reason
     try:
         collect_diagnostics(run, step, reason)
     except Exception as exc:
         log().warning("could not collect diagnostics: %s", exc)
     if tear_down:
-        teardown_group(run)
+        removed = teardown_group(run)
+        gone = ", ".join(f"{node}: {', '.join(names)}" for node, names in removed.items() if names)
+        summary.notes.append(f"removed the half-started group ({gone or 'nothing left'})")
+    try:
+        create_markdown_artifact(
+            render_markdown(summary),
+            key=f"{summary.cluster}-summary",
+            description="what the redeploy did before it failed",
+        )
+    except Exception as exc:  # the failure itself must still be reported and raised
+        log().warning("could not write the summary: %s", exc)
     emit_event(
         "vllm.cluster.failed",
         resource={"prefect.resource.id": f"vllm-redeploy.cluster.{run.config.name}"},

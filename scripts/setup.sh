@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Set up this checkout on a fresh Debian/Ubuntu machine: the system tools the test bed runs for real
-# (OpenSSH server, Docker engine, static busybox for registry-free test images), then the project
-# with its test extras in .venv. Safe to run again.
+# (OpenSSH server, Docker engine, static busybox for registry-free test images, Chromium with a
+# font for the browser test), then the project with its test extras in .venv. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(openssh-server openssh-client docker.io busybox-static procps iproute2 ca-certificates)
+packages=(openssh-server openssh-client docker.io busybox-static procps iproute2 ca-certificates
+  chromium fonts-dejavu-core)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -9,6 +9,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.context import RETRY_TRANSIENT, Run, StepFailed, log
 from vllm_redeploy.plan import RAY_MEMBERS_SCRIPT, RayMember, parse_members, ray_container
+from vllm_redeploy.status import membership_problems
 
 STEP = "cluster-check"
 POLL_S = 0.5
@@ -22,22 +23,7 @@ def ray_members(run: Run) -> list[RayMember]:
 
 def missing_members(run: Run, members: list[RayMember]) -> list[str]:
     """What is wrong with the membership, one phrase per node (empty when complete)."""
-    alive = {m.ip: m for m in members if m.alive}
-    problems = []
-    for node in run.config.nodes:
-        member = alive.get(node.ip)
-        if member is None:
-            problems.append(f"{node.name} is not in the cluster at {node.ip}")
-        elif member.gpus < node.gpus:
-            problems.append(f"{node.name} brings {member.gpus:g} GPUs, expected {node.gpus}")
-    strangers = sorted(set(alive) - {n.ip for n in run.config.nodes})
-    if strangers:
-        problems.append(
-            "Ray has nodes at unexpected IPs "
-            + ", ".join(strangers)
-            + " (a node registered another address than its fabric_ip)"
-        )
-    return problems
+    return membership_problems(run.config, members)
 
 
 # Not cached: membership is only true now.

@@ -26,10 +26,10 @@ def _node_section(run: Run, name: str) -> str:
         oom = ", OOM-killed" if c.oom_killed else ""
         parts.append(f"### {c.name} ({c.status}{code}{oom})")
         parts.append("```\n" + access.docker.logs_tail(c.name, LOG_LINES).strip() + "\n```")
-    smi = access.runner.run(list(COMPUTE_APPS_ARGV), timeout=30, check=False)
+    smi = access.runner.run(list(COMPUTE_APPS_ARGV), check=False)
     parts.append("### nvidia-smi compute apps\n```\n" + (smi.stdout.strip() or "(none)") + "\n```")
     # Kernel OOM lines, where the login user may read the kernel log.
-    dmesg = access.runner.run(["dmesg", "--level=err,warn"], timeout=30, check=False)
+    dmesg = access.runner.run(["dmesg", "--level=err,warn"], check=False)
     oom = [line for line in dmesg.stdout.splitlines() if "oom" in line.lower()][-10:]
     if oom:
         parts.append("### kernel OOM lines\n```\n" + "\n".join(oom) + "\n```")

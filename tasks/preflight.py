@@ -67,7 +67,7 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
     docker = access.docker
     version = docker.version()
     image_id = docker.image_id(config.vllm.image)
-    model = access.runner.run(["test", "-d", config.vllm.model], timeout=30, check=False)
+    model = access.runner.run(["test", "-d", config.vllm.model], check=False)
     ray_path = None
     if image_id is not None:
         check = replace(
@@ -83,7 +83,7 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
     # Fabric IPs set by hand are lost at reboot; `ip route get` tells, without sending anything,
     # whether the node still owns its fabric IP ("local ..." when it does).
     ip = run.node_config(name).ip
-    route = access.runner.run(["ip", "route", "get", ip], timeout=30, check=False)
+    route = access.runner.run(["ip", "route", "get", ip], check=False)
     local = route.ok and route.stdout.startswith("local ")
     busy: tuple[str, ...] = ()
     if name == config.head.name:
@@ -102,7 +102,7 @@ def _busy_ports(run: Run) -> tuple[str, ...]:
         return ()
     busy = []
     for label, port in (("API port", config.vllm.port), ("Ray port", config.ray.port)):
-        result = run.head.runner.run(["ss", "-Hltn", f"sport = :{port}"], timeout=30, check=False)
+        result = run.head.runner.run(["ss", "-Hltn", f"sport = :{port}"], check=False)
         if result.ok and _listens_on(result.stdout, config.head.ip):
             busy.append(f"{label} {port}")
     return tuple(busy)

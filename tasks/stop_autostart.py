@@ -46,12 +46,12 @@ def stop_autostart(run: Run, name: str) -> StopReport:
     access = run.node(name)
     stopped, disabled = [], []
     for unit in config.autostart.units:
-        active = access.runner.run(["systemctl", "is-active", unit], timeout=30, check=False)
+        active = access.runner.run(["systemctl", "is-active", unit], check=False)
         if active.stdout.strip() in ("active", "activating", "reloading"):
             access.runner.run(["systemctl", "stop", unit], timeout=120)
             stopped.append(unit)
         if config.autostart.disable_units:
-            enabled = access.runner.run(["systemctl", "is-enabled", unit], timeout=30, check=False)
+            enabled = access.runner.run(["systemctl", "is-enabled", unit], check=False)
             if enabled.stdout.strip() == "enabled":
                 access.runner.run(["systemctl", "disable", unit], timeout=60)
                 disabled.append(unit)

@@ -16,8 +16,10 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import Run, StepFailed, log
-from vllm_redeploy.parsers.vllm_log import last_load_progress
+from vllm_redeploy.parsers.vllm_log import LoadProgress, last_load_progress
 from vllm_redeploy.plan import engine_container
+from vllm_redeploy.status import engine_version
+from vllm_redeploy.summary import StepEvent, report
 
 STEP = "wait-ready"
 POLL_S = 0.25  # readiness is noticed within this, plus one request
@@ -30,6 +32,7 @@ HTTP_TIMEOUT = httpx.Timeout(2.0, connect=1.0)
 class Ready:
     served: list[str]
     waited_s: float
+    version: str | None = None  # vLLM's, from /version or `vllm --version` in the engine
 
 
 def api_url(run: Run) -> str:
@@ -62,6 +65,7 @@ def wait_until_ready(run: Run) -> Ready:
         0.0, key=f"{config.name}-load", description=f"Loading {want} on {config.head.name}"
     )
     last_progress = 0.0
+    last_load: LoadProgress | None = None
     last_report = started
     listed: list[str] | None = None
     with httpx.Client(timeout=HTTP_TIMEOUT) as client:
@@ -70,8 +74,11 @@ def wait_until_ready(run: Run) -> Ready:
             if listed is not None and want in listed:
                 update_progress_artifact(progress_id, 100.0)
                 waited = time.monotonic() - started
+                shards = last_load.total if last_load else 0
+                report(StepEvent(STEP, "loading", load=LoadProgress(100, shards, shards)))
                 log().info("%s is served at %s after %.1f s", want, url, waited)
-                return Ready(listed, waited)
+                version = engine_version(client, url, docker.exec_runner(name))
+                return Ready(listed, waited, version)
             info = docker.get(name)
             if info is None or not info.running:
                 tail = docker.logs_tail(name, LOG_TAIL_LINES).strip() if info else ""
@@ -88,7 +95,9 @@ def wait_until_ready(run: Run) -> Ready:
                 progress = last_load_progress(docker.logs_tail(name, 20))
                 if progress and progress.percent != last_progress:
                     last_progress = progress.percent
+                    last_load = progress
                     update_progress_artifact(progress_id, float(progress.percent))
+                    report(StepEvent(STEP, "loading", load=progress))
                     log().info(
                         "loading weights: %d%% (%d/%d shards)",
                         progress.percent,

@@ -89,7 +89,9 @@ def test_different_interface_names_are_kept_off_the_workers(tmp_path: Path) -> N
 def test_the_launch_fingerprint_follows_the_settings(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text(
-        EXAMPLE.read_text().replace("gpu_memory_utilization = 0.85", "gpu_memory_utilization = 0.8")
+        EXAMPLE.read_text().replace(
+            "gpu_memory_utilization = 0.80", "gpu_memory_utilization = 0.75"
+        )
     )
     assert launch_fingerprint(load_config(path, env_file=None)) != launch_fingerprint(example())
 

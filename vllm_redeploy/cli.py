@@ -2,20 +2,36 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
-from dataclasses import asdict
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
+from rich.columns import Columns
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.markdown import Markdown
+from rich.markup import escape
+from rich.progress_bar import ProgressBar
+from rich.spinner import Spinner
 from rich.table import Table
+from rich.text import Text
 
 from vllm_redeploy.config import ClusterConfig, ConfigError, NodeConfig, describe, load_config
 from vllm_redeploy.gpus import GpuReport, inspect_gpus
 from vllm_redeploy.nodes import NodeAccess, RemoteError, check_node, fan_out
+from vllm_redeploy.parsers.vllm_log import LoadProgress
+from vllm_redeploy.plan import RayMember
 from vllm_redeploy.probe import run_probe
+from vllm_redeploy.status import ClusterStatus, GpuStatus, NodeStatus, collect_status, duration
+from vllm_redeploy.summary import StepEvent, listening
 
 EXIT_CONFIG = 2  # bad input, like argparse and click
 EXIT_UNREACHABLE = 1
@@ -111,6 +127,109 @@ def nodes(config: ConfigOption = Path("cluster.toml"), as_json: JsonOption = Fal
         raise typer.Exit(EXIT_UNREACHABLE)
 
 
+@app.command()
+def status(config: ConfigOption = Path("cluster.toml"), as_json: JsonOption = False) -> None:
+    """The deployment now: nodes, containers, GPUs, Ray, endpoint, probe. Exit 0 iff healthy."""
+    cluster = _load(config)
+    report = collect_status(cluster)
+    if as_json:
+        out.print_json(json.dumps(report.as_dict()))
+    else:
+        _print_status(report)
+    if not report.healthy:
+        raise typer.Exit(EXIT_UNREACHABLE)
+
+
+def _print_status(report: ClusterStatus) -> None:
+    """Colours and tables in a terminal; the same text without escape codes when piped."""
+    verdict = "[bold green]healthy[/]" if report.healthy else "[bold red]not healthy[/]"
+    out.print(f"[bold]cluster {escape(report.cluster)}[/]: {verdict}", highlight=False)
+    members = {m.ip: m for m in report.ray.members}
+    table = Table(show_edge=False, show_lines=True)
+    for column in ("node", "reachable", "our containers", "GPU", "Ray"):
+        table.add_column(column, overflow="fold")
+    for node in report.nodes:
+        table.add_row(
+            f"[bold]{escape(node.name)}[/] {node.role}\n{escape(node.address)}",
+            f"[green]yes[/] {node.rtt_ms:.1f} ms"
+            if node.reachable
+            else f"[red]no[/]: {escape(node.error or '')}",
+            _containers_cell(node),
+            _gpu_cell(node.gpu),
+            _ray_cell(node, members, bool(report.ray.members)),
+        )
+    out.print(table, highlight=False)
+    out.print()
+    e, engine = report.endpoint, report.engine
+    if report.endpoint_serves:
+        model = f"[green]{escape(e.served_name)}[/] (/v1/models)"
+    else:
+        listed = ", ".join(e.models or []) or e.models_error or "nothing"
+        model = f"[red]{escape(e.served_name)} is not served[/] ({escape(listed)})"
+    probe = "[green]healthy[/]" if e.probe.healthy else "[red]unhealthy[/]"
+    rows = [
+        ("endpoint", escape(e.url)),
+        ("model", model),
+        ("health", "[green]200[/]" if e.health == 200 else f"[red]{e.health or 'no answer'}[/]"),
+        ("vLLM", escape(e.version or "-")),
+        ("probe", f"{probe}: {escape(e.probe.detail)}"),
+        (
+            "engine",
+            f"[green]running[/], up {duration(engine.uptime_s)}"
+            if engine is not None and engine.running
+            else "[red]not running[/]",
+        ),
+    ]
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column(overflow="fold")
+    for label, value in rows:
+        grid.add_row(label, value)
+    out.print(grid, highlight=False)
+    if report.problems:
+        out.print()
+        out.print("[bold red]problems[/]")
+        for problem in report.problems:
+            out.print(f"  - {problem}", markup=False, highlight=False)
+
+
+def _containers_cell(node: NodeStatus) -> str:
+    if not node.reachable:
+        return "-"
+    if node.error:
+        return f"[red]{escape(node.error)}[/]"
+    lines = []
+    for c in node.containers:
+        if c.running:
+            lines.append(f"{escape(c.name)} [green]running[/] {duration(c.uptime_s)}")
+        else:
+            code = f" (exit {c.exit_code})" if c.exit_code is not None else ""
+            lines.append(f"{escape(c.name)} [red]{escape(c.status)}{code}[/]")
+    return "\n".join(lines) or "[yellow]none[/]"
+
+
+def _gpu_cell(gpu: GpuStatus | None) -> str:
+    if gpu is None:
+        return "-"
+    if gpu.clear:
+        return "[green]clear[/]"
+    if gpu.holders:
+        return "\n".join(
+            f"[yellow]held[/] by PID {h.pid} {escape(h.name)}"
+            + (f", {h.memory_mib} MiB" if h.memory_mib is not None else "")
+            for h in gpu.holders
+        )
+    return "[yellow]" + escape("; ".join(gpu.problems)) + "[/]"
+
+
+def _ray_cell(node: NodeStatus, members: dict[str, RayMember], known: bool) -> str:
+    member = members.get(node.ip)
+    if member is None:
+        return "[red]not a member[/]" if known else "-"
+    state = "[green]alive[/]" if member.alive else "[red]dead[/]"
+    return f"{state} at {member.ip}, {member.gpus:g} GPU"
+
+
 @app.command("run")
 def run_command(
     config: ConfigOption = Path("cluster.toml"),
@@ -136,11 +255,15 @@ def run_command(
             out.print(line, highlight=False, markup=False, soft_wrap=True)
         return
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")  # Prefect's client telemetry (3.9), separately
     from flows.redeploy import redeploy_vllm_cluster
     from tasks.context import StepFailed
 
+    # In a terminal a live view of the steps; piped, one plain line per step.
+    view = StepView(f"{cluster.name}: {mode}") if out.is_terminal else None
     try:
-        result = redeploy_vllm_cluster(str(config), mode, keep_on_failure)  # type: ignore[arg-type]
+        with _showing(view), listening(view or PlainSteps(out)):
+            result = redeploy_vllm_cluster(str(config), mode, keep_on_failure)  # type: ignore[arg-type]
     except StepFailed as exc:
         err.print(f"[bold red]failed at {exc.step}[/]: ", end="", highlight=False)
         err.print(exc.reason, markup=False, highlight=False)
@@ -149,7 +272,148 @@ def run_command(
         err.print("[bold red]failed[/]: ", end="", highlight=False)
         err.print(str(exc), markup=False, highlight=False)
         raise typer.Exit(EXIT_UNREACHABLE) from None
-    out.print(f"[green]{result['cluster']}: {result['action']}[/]", highlight=False)
+    markdown = result.get("summary") or f"# {result['cluster']}: {result['action']}\n"
+    if view is not None:
+        out.print(Markdown(markdown))
+    else:
+        out.print(markdown, markup=False, highlight=False, soft_wrap=True, end="")
+
+
+@contextlib.contextmanager
+def _showing(view: StepView | None) -> Iterator[None]:
+    """Draw ``view`` live (if any); Prefect's console log shows warnings above it."""
+    if view is None:
+        yield
+        return
+    # Success: the summary repeats the steps, so the live rows go. Failure: they stay.
+    with (
+        Live(view, console=out, refresh_per_second=8, transient=True) as display,
+        _prefect_console_quiet(out),
+    ):
+        try:
+            yield
+        except BaseException:
+            display.transient = False
+            raise
+
+
+@contextlib.contextmanager
+def _prefect_console_quiet(console: Console) -> Iterator[None]:
+    """Prefect's console handler prints through ``console`` (above the live view, not into it),
+    and only warnings: the live view replaces its INFO lines, and a failure is printed once, at
+    the end. The Prefect API (the UI) still gets every log line."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    loggers = [logging.getLogger(), *map(logging.getLogger, logging.root.manager.loggerDict)]
+    handlers = {
+        id(h): h for lg in loggers for h in lg.handlers if isinstance(h, PrefectConsoleHandler)
+    }.values()
+    quiet = _WarningsOnly()
+    saved = [(h, h.console) for h in handlers]
+    for handler in handlers:
+        handler.console = _PlainPrinter(console)  # type: ignore[assignment]
+        handler.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for handler, original in saved:
+            handler.console = original
+            handler.removeFilter(quiet)
+
+
+class _PlainPrinter:
+    """What Prefect's handler prints through: a log line is text, never rich markup."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        self.console.print(*objects, markup=False, highlight=False, soft_wrap=True)
+
+
+class _WarningsOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return logging.WARNING <= record.levelno < logging.ERROR
+
+
+class StepView:
+    """The live view of a run: one row per step as it starts (a spinner, then a check mark or a
+    cross), its elapsed time, and a bar while the weights load."""
+
+    def __init__(self, title: str) -> None:
+        self.title = title
+        self._start = _StepRow("starting the flow run")  # until the first step begins
+        self._rows: dict[str, _StepRow] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, event: StepEvent) -> None:
+        with self._lock:
+            row = self._rows.get(event.step)
+            if row is None or event.state == "running":
+                row = self._rows[event.step] = _StepRow(event.step)
+            if event.state in ("done", "failed"):
+                row.state = event.state
+                row.seconds = (
+                    event.seconds if event.seconds is not None else time.monotonic() - row.started
+                )
+            elif event.state == "loading" and event.load is not None:
+                row.load = event.load
+
+    def __rich__(self) -> RenderableType:
+        grid = Table.grid(padding=(0, 2))
+        for _ in range(4):
+            grid.add_column()
+        with self._lock:
+            rows = list(self._rows.values()) or [self._start]
+        now = time.monotonic()
+        for row in rows:
+            if row.state == "running":
+                glyph: RenderableType = row.spinner
+                seconds = now - row.started
+            else:
+                glyph = Text("✓", "green") if row.state == "done" else Text("✗", "bold red")
+                seconds = row.seconds or 0.0
+            load: RenderableType = ""
+            if row.load is not None:
+                bar = ProgressBar(total=100, completed=row.load.percent, width=30)
+                shards = f" {row.load.done}/{row.load.total} shards" if row.load.total else ""
+                load = Columns([bar, Text(f"{row.load.percent:3d}%{shards}")])
+            grid.add_row(glyph, Text(row.step, "bold"), Text(_clock(seconds), "cyan"), load)
+        return Group(Text(self.title, "bold"), grid)
+
+
+@dataclass
+class _StepRow:
+    step: str
+    started: float = field(default_factory=time.monotonic)
+    state: str = "running"
+    seconds: float | None = None
+    load: LoadProgress | None = None
+    spinner: Spinner = field(default_factory=lambda: Spinner("dots", style="yellow"))
+
+
+class PlainSteps:
+    """Piped output: one plain line per step as it ends."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+
+    def __call__(self, event: StepEvent) -> None:
+        if event.state == "done":
+            line = f"{event.step}: done in {event.seconds or 0:.1f} s"
+        elif event.state == "failed":
+            after = f" after {event.seconds:.1f} s" if event.seconds is not None else ""
+            line = f"{event.step}: failed{after}"
+        else:
+            return
+        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _clock(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:5.1f} s"
+    minutes, rest = divmod(int(seconds), 60)
+    return f"{minutes:2d}:{rest:02d}  "
 
 
 @app.command()

@@ -146,7 +146,7 @@ class SSHConfig(_Section):
         10, description="TCP connect, handshake and authentication timeout."
     )
     command_timeout_s: Seconds = Field(
-        60, description="Default wall-clock timeout of one remote command."
+        60, description="Wall-clock timeout of one quick remote command (inspections, checks)."
     )
     keepalive_s: int = Field(
         5, ge=1, description="SSH keepalive interval; a dead link is noticed in about 3x this."

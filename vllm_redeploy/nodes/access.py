@@ -22,7 +22,7 @@ def runner_for(node: NodeConfig, config: ClusterConfig) -> Runner:
     """The command runner for ``node`` as configured (SSH or local)."""
     secrets = config.secret_values()
     if node.transport == "local":
-        return LocalRunner(node.name, secrets)
+        return LocalRunner(node.name, secrets, config.ssh.command_timeout_s)
     ssh = config.ssh
     key_file = node.ssh_key_file or ssh.key_file
     passphrase = ssh.key_passphrase.get_secret_value() if ssh.key_passphrase else None
@@ -37,7 +37,7 @@ def runner_for(node: NodeConfig, config: ClusterConfig) -> Runner:
         connect_timeout_s=ssh.connect_timeout_s,
         keepalive_s=ssh.keepalive_s,
     )
-    return SSHRunner(node.name, target, secrets)
+    return SSHRunner(node.name, target, secrets, config.ssh.command_timeout_s)
 
 
 class NodeAccess:

@@ -59,8 +59,11 @@ _STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
 class Runner(ABC):
     """Runs argv on one node. Use as a context manager, or call ``close()``."""
 
-    def __init__(self, node: str, secrets: Sequence[str] = ()) -> None:
+    def __init__(
+        self, node: str, secrets: Sequence[str] = (), default_timeout: float = DEFAULT_TIMEOUT_S
+    ) -> None:
         self.node = node
+        self.default_timeout = default_timeout
         # Values masked in every message that renders a command (defence in depth: secrets
         # travel by stdin or files, never by argv).
         self.secrets = tuple(s for s in secrets if s)
@@ -69,7 +72,7 @@ class Runner(ABC):
         self,
         argv: Sequence[str],
         *,
-        timeout: float = DEFAULT_TIMEOUT_S,
+        timeout: float | None = None,
         check: bool = True,
         env: Mapping[str, str] | None = None,
         stdin: bytes | None = None,
@@ -77,7 +80,8 @@ class Runner(ABC):
     ) -> CommandResult:
         """Run argv and return its result.
 
-        ``timeout`` is wall-clock seconds. ``check=False`` only silences a non-zero exit:
+        ``timeout`` is wall-clock seconds (default: the runner's ``default_timeout``).
+        ``check=False`` only silences a non-zero exit:
         a timeout (``CommandTimedOut``) or an unreachable node (``NodeUnreachable``) always raise.
         """
         argv = tuple(argv)
@@ -86,7 +90,11 @@ class Runner(ABC):
         capture = OutputCapture(on_line)
         started = time.monotonic()
         exit_code, timed_out = self._execute(
-            argv, env=dict(env or {}), stdin=stdin, timeout=timeout, capture=capture
+            argv,
+            env=dict(env or {}),
+            stdin=stdin,
+            timeout=self.default_timeout if timeout is None else timeout,
+            capture=capture,
         )
         capture.finish()
         result = CommandResult(

@@ -25,7 +25,7 @@ from vllm_redeploy.nodes.errors import (
     HostKeyRejected,
     NodeUnreachable,
 )
-from vllm_redeploy.nodes.runner import OutputCapture, Runner
+from vllm_redeploy.nodes.runner import DEFAULT_TIMEOUT_S, OutputCapture, Runner
 
 EXIT_NO_STATUS = (
     -1
@@ -97,10 +97,15 @@ class _RecordOnFirstUse(paramiko.MissingHostKeyPolicy):
 class SSHRunner(Runner):
     """Runs argv on a node over one reused SSH connection."""
 
-    def __init__(self, node: str, target: SSHTarget, secrets: tuple[str, ...] = ()) -> None:
-        super().__init__(
-            node, secrets + ((target.key_passphrase,) if target.key_passphrase else ())
-        )
+    def __init__(
+        self,
+        node: str,
+        target: SSHTarget,
+        secrets: tuple[str, ...] = (),
+        default_timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        passphrase = (target.key_passphrase,) if target.key_passphrase else ()
+        super().__init__(node, secrets + passphrase, default_timeout)
         self.target = target
         self._client: paramiko.SSHClient | None = None
         self._lock = threading.Lock()

@@ -1,0 +1,153 @@
+"""`vllm-redeploy status` and `vllm-redeploy run` on the test bed: real sshd, Docker, Ray, the vLLM
+stand-in and a real Prefect server. What a person or a script reads from them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from flows.redeploy import redeploy_vllm_cluster
+from tests.conftest import make_bed
+from tests.testbed.bed import SERVED_NAME, TestBed
+from vllm_redeploy.cli import app
+from vllm_redeploy.config import load_config
+from vllm_redeploy.nodes import NodeAccess
+from vllm_redeploy.plan import engine_container, ray_container
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]  # a bed and a flow run
+CLI = Path(sys.executable).parent / "vllm-redeploy"
+ANSI = re.compile(r"\x1b\[")
+
+
+@pytest.fixture(scope="module")
+def deployed(prefect_api: str) -> Iterator[tuple[TestBed, Path]]:
+    """A bed with the deployment running, brought up by one real flow run."""
+    bed = make_bed(2, "h200", first_ip=91)
+    try:
+        path = bed.write_config(bed.root / "run.toml", vllm={"env": {"VRD_LOAD_SECONDS": "1"}})
+        state = redeploy_vllm_cluster(str(path), "redeploy", return_state=True)
+        assert state.is_completed(), state.result(raise_on_failure=False)
+        yield bed, path
+    finally:
+        bed.down()
+
+
+def status_json(path: Path) -> tuple[int, dict[str, Any]]:
+    result = CliRunner().invoke(app, ["status", "-c", str(path), "--json"])
+    return result.exit_code, json.loads(result.output)
+
+
+def piped(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The CLI as a script runs it: its own process, stdout and stderr into pipes."""
+    environ = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE")}
+    return subprocess.run(
+        [str(CLI), *args],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env={**environ, "TERM": "xterm-256color", **(env or {})},
+    )
+
+
+def test_status_of_a_healthy_deployment(deployed: tuple[TestBed, Path]) -> None:
+    bed, path = deployed
+    code, report = status_json(path)
+    assert code == 0, report["problems"]
+    assert report["healthy"] and report["problems"] == []
+    config = load_config(path, env_file=None)
+    head, worker = report["nodes"]
+    assert [n["name"] for n in report["nodes"]] == ["node-1", "node-2"]
+    for node in (head, worker):
+        assert node["reachable"] and node["rtt_ms"] > 0 and node["error"] is None
+        # while vLLM serves, each node's rank holds its GPU
+        assert not node["gpu"]["clear"]
+        (holder,) = node["gpu"]["holders"]
+        assert holder["pid"] > 0 and holder["memory_mib"] > 100_000
+    assert worker["gpu"]["holders"][0]["name"] == "ray::RayWorkerWrapper"
+    running = {c["name"]: c for c in head["containers"] if c["running"]}
+    assert set(running) == {ray_container(config), engine_container(config)}
+    assert running[engine_container(config)]["role"] == "engine"
+    assert 0 <= running[engine_container(config)]["uptime_s"] < 600
+    assert [c["name"] for c in worker["containers"]] == [ray_container(config)]
+    members = report["ray"]["members"]
+    assert sorted((m["ip"], m["alive"], m["gpus"]) for m in members) == [
+        (bed.nodes[0].ip, True, 1.0),
+        (bed.nodes[1].ip, True, 1.0),
+    ]
+    endpoint = report["endpoint"]
+    assert endpoint["url"] == f"http://{bed.nodes[0].ip}:30000/v1"
+    assert endpoint["models"] == [SERVED_NAME] and endpoint["served"]
+    assert endpoint["health"] == 200 and endpoint["version"] == "0.19.0"
+    assert endpoint["probe"]["healthy"] and endpoint["probe"]["finish_reason"] == "length"
+    assert endpoint["engine"]["running"] and endpoint["engine"]["uptime_s"] >= 0
+
+
+def test_status_piped_is_plain_text(deployed: tuple[TestBed, Path]) -> None:
+    bed, path = deployed
+    result = piped("status", "-c", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert not ANSI.search(result.stdout + result.stderr)
+    text = result.stdout
+    assert text.splitlines()[0] == "cluster bed: healthy"
+    assert re.search(r"node-1 head .*yes \d+\.\d ms .*vllm-redeploy-bed-engine running", text)
+    assert "held by PID" in text and "ray::RayWorkerWrapper" in text
+    assert f"alive at {bed.nodes[1].ip}, 1 GPU" in text
+    assert re.search(rf"model\s+{re.escape(SERVED_NAME)} \(/v1/models\)", text)
+    assert re.search(r"probe\s+healthy: reasoning only", text)
+    assert re.search(r"engine\s+running, up \d+", text)
+
+
+def test_the_run_command_piped_prints_a_line_per_step_then_the_summary(
+    deployed: tuple[TestBed, Path], prefect_api: str
+) -> None:
+    _, path = deployed
+    result = piped("run", "-c", str(path), env={"PREFECT_API_URL": prefect_api})
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert not ANSI.search(result.stdout)
+    lines = result.stdout.splitlines()
+    steps = [line.split(":")[0] for line in lines[: lines.index("# bed: redeployed")]]
+    assert steps == [
+        "preflight",
+        "stop-autostart",
+        "gpus-clear",
+        "ray-head",
+        "join-workers",
+        "cluster-check",
+        "launch-vllm",
+        "wait-ready",
+        "probe",
+    ]
+    assert all(re.fullmatch(r"[a-z-]+: done in \d+\.\d s", line) for line in lines[:9])
+    summary = "\n".join(lines[9:])
+    assert "| step | seconds |" in summary and "| wait-ready |" in summary
+    # what was stopped on each node: this time our own containers of the last run
+    assert "ours from the last run: vllm-redeploy-bed-engine, vllm-redeploy-bed-ray" in summary
+    assert "- vLLM 0.19.0" in summary and "served at http://127.0.0.91:30000/v1" in summary
+    assert "- healthy: reasoning only: the token budget ended inside thinking" in summary
+    assert "- reasoning: \u201cThinking Process:" in summary
+
+
+def test_status_after_the_engine_is_gone(deployed: tuple[TestBed, Path]) -> None:
+    _, path = deployed
+    config = load_config(path, env_file=None)
+    with NodeAccess(config.head, config) as head:
+        head.docker.remove(engine_container(config))
+    code, report = status_json(path)
+    assert code == 1 and not report["healthy"]
+    assert "the vLLM engine is not running on node-1" in report["problems"]
+    assert report["endpoint"]["engine"] is None and not report["endpoint"]["served"]
+    result = piped("status", "-c", str(path))
+    assert result.returncode == 1
+    assert not ANSI.search(result.stdout + result.stderr)
+    assert re.search(r"engine\s+not running", result.stdout)
+    assert "  - the vLLM engine is not running on node-1" in result.stdout
+    assert result.stdout.startswith("cluster bed: not healthy")

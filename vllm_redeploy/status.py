@@ -1,0 +1,383 @@
+"""`vllm-redeploy status`: the deployment as it is now, on one screen. No Prefect here (fast).
+
+Every node is contacted in parallel (reachable, SSH round trip, our containers by label, who holds
+the GPU; on the head also the Ray membership), while the endpoint is asked for its models, health
+and version and given a fresh probe. ``healthy`` is the verdict the exit code follows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import docker.errors
+import httpx
+import paramiko
+import requests
+
+from vllm_redeploy import PROJECT
+from vllm_redeploy.config import ClusterConfig, NodeConfig
+from vllm_redeploy.gpus import inspect_gpus
+from vllm_redeploy.nodes import NodeAccess, RemoteError, Runner, fan_out
+from vllm_redeploy.nodes.docker import LABEL_CLUSTER, LABEL_MANAGED, LABEL_ROLE, docker_client_for
+from vllm_redeploy.plan import (
+    ENGINE_ROLE,
+    RAY_MEMBERS_SCRIPT,
+    RayMember,
+    engine_container,
+    parse_members,
+    ray_container,
+)
+from vllm_redeploy.probe import ProbeVerdict, run_probe
+
+HTTP_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
+RAY_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class ContainerStatus:
+    name: str
+    role: str
+    status: str  # Docker's: running, exited, ...
+    running: bool
+    uptime_s: float | None = None
+    exit_code: int | None = None
+
+
+@dataclass(frozen=True)
+class GpuHolder:
+    pid: int
+    name: str
+    memory_mib: int | None
+
+
+@dataclass(frozen=True)
+class GpuStatus:
+    clear: bool
+    holders: list[GpuHolder] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    name: str
+    address: str
+    ip: str  # the fabric IP, as Ray knows the node
+    role: str  # head or worker
+    reachable: bool
+    rtt_ms: float | None = None
+    error: str | None = None
+    containers: list[ContainerStatus] = field(default_factory=list)
+    gpu: GpuStatus | None = None
+
+
+@dataclass(frozen=True)
+class RayStatus:
+    members: list[RayMember] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EndpointStatus:
+    url: str
+    served_name: str
+    models: list[str] | None  # what /v1/models lists; None when it did not answer with a list
+    models_error: str | None
+    health: int | None  # /health status code; None when it did not answer
+    version: str | None
+    probe: ProbeVerdict
+
+
+@dataclass(frozen=True)
+class ClusterStatus:
+    cluster: str
+    nodes: list[NodeStatus]
+    ray: RayStatus
+    endpoint: EndpointStatus
+    problems: list[str]
+
+    @property
+    def healthy(self) -> bool:
+        return not self.problems
+
+    @property
+    def engine(self) -> ContainerStatus | None:
+        for node in self.nodes:
+            for c in node.containers:
+                if c.role == ENGINE_ROLE:
+                    return c
+        return None
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["healthy"] = self.healthy
+        data["endpoint"]["served"] = self.endpoint_serves
+        data["endpoint"]["engine"] = asdict(self.engine) if self.engine else None
+        return data
+
+    @property
+    def endpoint_serves(self) -> bool:
+        return (
+            self.endpoint.models is not None and self.endpoint.served_name in self.endpoint.models
+        )
+
+
+# --- collecting ------------------------------------------------------------------------------
+
+
+def collect_status(config: ClusterConfig) -> ClusterStatus:
+    """Look at every node and the endpoint, in parallel; change nothing."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="endpoint") as pool:
+        endpoint = pool.submit(check_endpoint, config)
+        outcomes = fan_out(config.nodes, lambda n: _node_status(n, config))
+        ray = RayStatus()
+        nodes = []
+        for node, outcome in zip(config.nodes, outcomes, strict=True):
+            if outcome.value is not None:
+                status, members = outcome.value
+                nodes.append(status)
+                if members is not None:
+                    ray = members
+            else:
+                nodes.append(_unreachable(node, config, str(outcome.error)))
+        return _judge(config, nodes, ray, endpoint.result())
+
+
+def _node_status(node: NodeConfig, config: ClusterConfig) -> tuple[NodeStatus, RayStatus | None]:
+    role = "head" if node is config.head else "worker"
+    with NodeAccess(node, config) as access:
+        timeout = config.ssh.connect_timeout_s
+        try:
+            access.runner.check_connection(timeout=timeout)  # connects: not a round trip
+            rtt = access.runner.check_connection(timeout=timeout)
+        except RemoteError as exc:
+            return _unreachable(node, config, str(exc)), None
+        rtt_ms = round(rtt * 1000, 1)
+        gpu = _gpu(access)
+        try:
+            containers = _containers(access, node, config)
+        except RemoteError as exc:  # reachable, but Docker did not answer
+            status = NodeStatus(
+                node.name, node.address, node.ip, role, True, rtt_ms, str(exc), [], gpu
+            )
+            return status, RayStatus(problems=[f"Ray unknown: {exc}"]) if role == "head" else None
+        ray = _ray(access, config, containers) if role == "head" else None
+        status = NodeStatus(
+            node.name, node.address, node.ip, role, True, rtt_ms, None, containers, gpu
+        )
+        return status, ray
+
+
+def _unreachable(node: NodeConfig, config: ClusterConfig, error: str) -> NodeStatus:
+    role = "head" if node is config.head else "worker"
+    return NodeStatus(node.name, node.address, node.ip, role, False, error=error)
+
+
+def _containers(
+    access: NodeAccess, node: NodeConfig, config: ClusterConfig
+) -> list[ContainerStatus]:
+    labels = {LABEL_MANAGED: PROJECT, LABEL_CLUSTER: config.name}
+    found = access.docker.list_containers(labels=labels)
+    started = _started_at(access, node, [c.name for c in found if c.running])
+    now = datetime.now(UTC)
+    return [
+        ContainerStatus(
+            c.name,
+            c.labels.get(LABEL_ROLE, "?"),
+            c.status,
+            c.running,
+            max(0.0, round((now - started[c.name]).total_seconds(), 1))
+            if c.name in started
+            else None,
+            c.exit_code,
+        )
+        for c in sorted(found, key=lambda c: c.name)
+    ]
+
+
+def _started_at(access: NodeAccess, node: NodeConfig, names: list[str]) -> dict[str, datetime]:
+    """When each running container started (uptime); what cannot be read is left out."""
+    if not names:
+        return {}
+    client = docker_client_for(access.runner, node.docker_host)
+    started: dict[str, datetime] = {}
+    try:
+        for name in names:
+            text = client.api.inspect_container(name)["State"]["StartedAt"]
+            started[name] = _parse_docker_time(text)
+    except (
+        docker.errors.DockerException,
+        requests.exceptions.ConnectionError,
+        paramiko.SSHException,
+        KeyError,
+        ValueError,
+    ):
+        pass
+    finally:
+        with contextlib.suppress(Exception):
+            client.close()
+    return started
+
+
+def _parse_docker_time(text: str) -> datetime:
+    """Docker's RFC 3339 times carry nanoseconds: 2026-01-02T03:04:05.123456789Z."""
+    stamp = text.rstrip("Z")
+    whole, _, fraction = stamp.partition(".")
+    parsed = datetime.fromisoformat(whole).replace(tzinfo=UTC)
+    if fraction:
+        parsed = parsed.replace(microsecond=int(fraction[:6].ljust(6, "0")))
+    return parsed
+
+
+def _gpu(access: NodeAccess) -> GpuStatus:
+    try:
+        report = inspect_gpus(access.name, access.runner)
+    except RemoteError as exc:
+        return GpuStatus(False, problems=[f"nvidia-smi could not be read: {exc}"])
+    holders = [GpuHolder(p.pid, p.process_name, p.used_mib) for p in report.processes]
+    return GpuStatus(report.clear, holders, list(report.problems))
+
+
+def _ray(access: NodeAccess, config: ClusterConfig, containers: list[ContainerStatus]) -> RayStatus:
+    name = ray_container(config)
+    if not any(c.name == name and c.running for c in containers):
+        return RayStatus()  # no head, no membership to ask for; the container check says so
+    try:
+        result = access.docker.exec_runner(name).run(
+            ["python3", "-c", RAY_MEMBERS_SCRIPT], timeout=RAY_TIMEOUT_S, check=False
+        )
+    except RemoteError as exc:
+        return RayStatus(problems=[f"Ray membership unknown: {exc}"])
+    if not result.ok:
+        tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
+        return RayStatus(problems=[f"Ray membership unknown: {tail[0]}"])
+    try:
+        members = parse_members(result.stdout)
+    except (ValueError, KeyError) as exc:
+        return RayStatus(problems=[f"Ray membership unreadable: {exc}"])
+    return RayStatus(members, membership_problems(config, members))
+
+
+def membership_problems(config: ClusterConfig, members: list[RayMember]) -> list[str]:
+    """What is wrong with Ray's membership, one phrase per node (empty when complete)."""
+    alive = {m.ip: m for m in members if m.alive}
+    problems = []
+    for node in config.nodes:
+        member = alive.get(node.ip)
+        if member is None:
+            problems.append(f"{node.name} is not in the cluster at {node.ip}")
+        elif member.gpus < node.gpus:
+            problems.append(f"{node.name} brings {member.gpus:g} GPUs, expected {node.gpus}")
+    strangers = sorted(set(alive) - {n.ip for n in config.nodes})
+    if strangers:
+        problems.append(
+            "Ray has nodes at unexpected IPs "
+            + ", ".join(strangers)
+            + " (a node registered another address than its fabric_ip)"
+        )
+    return problems
+
+
+def api_base(config: ClusterConfig) -> str:
+    return f"http://{config.head.address}:{config.vllm.port}"
+
+
+def check_endpoint(config: ClusterConfig) -> EndpointStatus:
+    base = api_base(config)
+    want = config.vllm.served_name
+    models: list[str] | None = None
+    models_error: str | None = None
+    health: int | None = None
+    with httpx.Client(timeout=HTTP_TIMEOUT) as client:
+        try:
+            response = client.get(f"{base}/v1/models")
+            data = response.json()
+            if response.status_code == 200 and isinstance(data, dict):
+                models = [str(m.get("id")) for m in data.get("data", []) if isinstance(m, dict)]
+            else:
+                models_error = f"HTTP {response.status_code}"
+        except httpx.HTTPError as exc:
+            models_error = _http_error(exc)
+        except ValueError:
+            models_error = "the answer is not JSON"
+        with contextlib.suppress(httpx.HTTPError):
+            health = client.get(f"{base}/health").status_code
+        version = engine_version(client, base) if models is not None else None
+    p = config.probe
+    verdict = run_probe(base, want, p.prompt, p.max_tokens, p.temperature, p.timeout_s)
+    return EndpointStatus(f"{base}/v1", want, models, models_error, health, version, verdict)
+
+
+def engine_version(client: httpx.Client, base_url: str, engine: Runner | None = None) -> str | None:
+    """vLLM's version: GET /version, else ``vllm --version`` in the engine container."""
+    try:
+        response = client.get(f"{base_url}/version")
+        version = response.json().get("version") if response.status_code == 200 else None
+        if isinstance(version, str) and version:
+            return version
+    except (httpx.HTTPError, ValueError, AttributeError):
+        pass
+    if engine is None:
+        return None
+    try:
+        result = engine.run(["vllm", "--version"], timeout=30, check=False)
+    except RemoteError:
+        return None
+    lines = result.stdout.strip().splitlines()
+    return lines[-1].strip() if result.ok and lines else None
+
+
+def _http_error(exc: httpx.HTTPError) -> str:
+    if isinstance(exc, httpx.ConnectError):
+        return "connection refused (loading, or no server)"
+    if isinstance(exc, httpx.TimeoutException):
+        return "no answer in time"
+    return str(exc) or type(exc).__name__
+
+
+def _judge(
+    config: ClusterConfig, nodes: list[NodeStatus], ray: RayStatus, endpoint: EndpointStatus
+) -> ClusterStatus:
+    problems = []
+    engine_name = engine_container(config)
+    ray_name = ray_container(config)
+    for node in nodes:
+        if not node.reachable:
+            problems.append(f"{node.name} is unreachable: {node.error}")
+            continue
+        if node.error:
+            problems.append(node.error)
+            continue
+        running = {c.name for c in node.containers if c.running}
+        if ray_name not in running:
+            problems.append(f"the Ray container on {node.name} is not running")
+        if node.role == "head" and engine_name not in running:
+            problems.append(f"the vLLM engine is not running on {node.name}")
+    problems += ray.problems
+    if endpoint.models is None:
+        problems.append(f"{endpoint.url}/models does not answer: {endpoint.models_error}")
+    elif endpoint.served_name not in endpoint.models:
+        listed = ", ".join(endpoint.models) or "nothing"
+        problems.append(f"{endpoint.url}/models lists {listed}, not {endpoint.served_name}")
+    if endpoint.health != 200 and endpoint.models is not None:
+        problems.append(f"/health answered {endpoint.health or 'nothing'}")
+    if not endpoint.probe.healthy and endpoint.models is not None:
+        problems.append(f"the probe failed: {endpoint.probe.detail}")
+    return ClusterStatus(config.name, nodes, ray, endpoint, problems)
+
+
+def duration(seconds: float | None) -> str:
+    """Uptime for people: 45 s, 12 min 3 s, 5 h 2 min, 3 d 4 h."""
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60} s"
+    if s < 86400:
+        return f"{s // 3600} h {s % 3600 // 60} min"
+    return f"{s // 86400} d {s % 86400 // 3600} h"

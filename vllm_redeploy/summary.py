@@ -1,0 +1,268 @@
+"""What a redeploy did, and how far it is while it runs. No Prefect here.
+
+``RunSummary`` is the plain record the flow fills step by step; ``render_markdown`` turns it into
+the run's summary (the flow's ``<cluster>-summary`` artifact and the last screen of
+``vllm-redeploy run``).
+
+Live progress: the flow reports each step starting, ending or failing, and the weight loading,
+through ``report``; whoever runs the flow in this process (the CLI) listens with ``listening``.
+Nobody listening (a worker, the UI, a schedule) costs nothing, and a listener that raises never
+breaks the run.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from vllm_redeploy.gpus import GpuReport
+from vllm_redeploy.parsers.vllm_log import LoadProgress
+from vllm_redeploy.plan import RayMember
+from vllm_redeploy.probe import ProbeVerdict
+
+PROBE_WORDS = 12
+
+
+class StopLike(Protocol):
+    """What the stop-autostart step reports for one node (``tasks.stop_autostart.StopReport``)."""
+
+    @property
+    def node(self) -> str: ...
+    @property
+    def units_stopped(self) -> tuple[str, ...]: ...
+    @property
+    def units_disabled(self) -> tuple[str, ...]: ...
+    @property
+    def removed(self) -> tuple[str, ...]: ...
+    @property
+    def own_removed(self) -> tuple[str, ...]: ...
+
+
+@dataclass
+class RunSummary:
+    """What one run did; every field but the first two is filled as the steps complete."""
+
+    cluster: str
+    mode: str
+    action: str = "redeployed"
+    steps: dict[str, float] = field(default_factory=dict)  # step -> seconds, in order
+    notes: list[str] = field(default_factory=list)
+    stopped: Sequence[StopLike] = ()
+    gpus: Sequence[GpuReport] = ()
+    members: Sequence[RayMember] = ()
+    node_ips: dict[str, str] = field(default_factory=dict)  # fabric IP -> node name
+    endpoint: str | None = None  # e.g. http://head:30000/v1
+    model: str | None = None  # the served name
+    image: str | None = None
+    image_id: str | None = None
+    vllm_version: str | None = None
+    load_s: float | None = None
+    probe: ProbeVerdict | None = None
+    failed_step: str | None = None
+    failure: str | None = None
+
+    @property
+    def title(self) -> str:
+        return f"{self.cluster}: {self.action}"
+
+    @property
+    def total_s(self) -> float:
+        return round(sum(self.steps.values()), 2)
+
+
+def render_markdown(summary: RunSummary) -> str:
+    """The summary as markdown; the first line is ``# <cluster>: <action>``."""
+    lines = [f"# {summary.title}", ""]
+    if summary.failure is not None:
+        fence = "~~~~" if "```" in summary.failure else "```"
+        lines += [fence, summary.failure.strip(), fence, ""]
+    lines += [
+        f"Mode `{summary.mode}`, {len(summary.steps)} steps in {summary.total_s:g} s.",
+        "",
+        "| step | seconds |",
+        "| --- | --- |",
+    ]
+    for name, seconds in summary.steps.items():
+        mark = " (failed)" if name == summary.failed_step else ""
+        lines.append(f"| {name}{mark} | {seconds:g} |")
+    lines += _nodes_section(summary)
+    lines += _ray_section(summary)
+    lines += _vllm_section(summary)
+    lines += _probe_section(summary.probe)
+    if summary.notes:
+        lines += ["", "## Notes", "", *(f"- {_one_line(note)}" for note in summary.notes)]
+    return "\n".join(lines) + "\n"
+
+
+def _nodes_section(summary: RunSummary) -> list[str]:
+    stops = {s.node: s for s in summary.stopped}
+    gpus = {g.node: g for g in summary.gpus}
+    names = list(dict.fromkeys([*stops, *gpus]))
+    if not names:
+        return []
+    lines = [
+        "",
+        "## Nodes",
+        "",
+        "| node | units stopped | containers removed | GPU |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name in names:
+        stop, gpu = stops.get(name), gpus.get(name)
+        units = removed = "-"
+        if stop is not None:
+            units = ", ".join(stop.units_stopped) or "none"
+            if stop.units_disabled:
+                units += f" (disabled: {', '.join(stop.units_disabled)})"
+            removed = ", ".join(stop.removed) or "none"
+            if stop.own_removed:
+                removed += f"; ours from the last run: {', '.join(stop.own_removed)}"
+        state = gpu_state(gpu) if gpu is not None else "-"
+        lines.append(f"| {name} | {_cell(units)} | {_cell(removed)} | {_cell(state)} |")
+    return lines
+
+
+def gpu_state(report: GpuReport) -> str:
+    """One phrase: clear (and how that was judged), or who holds the GPU."""
+    if not report.clear:
+        return "; ".join(report.problems)
+    if report.unified_memory:
+        free = (
+            f", MemAvailable {report.mem_available_mib / 1024:.1f} GiB"
+            if report.mem_available_mib is not None
+            else ""
+        )
+        return f"clear (unified memory{free})"
+    used = sum(g.memory_used_mib or 0 for g in report.gpus)
+    return f"clear ({len(report.gpus)} GPU, {used} MiB used)"
+
+
+def _ray_section(summary: RunSummary) -> list[str]:
+    if not summary.members:
+        return []
+    alive = [m for m in summary.members if m.alive]
+    gpus = sum(m.gpus for m in alive)
+    lines = [
+        "",
+        "## Ray",
+        "",
+        f"{len(alive)} nodes alive, {gpus:g} GPUs.",
+        "",
+        "| node | IP | GPUs | alive |",
+        "| --- | --- | --- | --- |",
+    ]
+    rank = {ip: i for i, ip in enumerate(summary.node_ips)}  # configured nodes first, in order
+    for m in sorted(summary.members, key=lambda m: (rank.get(m.ip, len(rank)), m.ip)):
+        name = summary.node_ips.get(m.ip, "(not configured)")
+        lines.append(f"| {name} | {m.ip} | {m.gpus:g} | {'yes' if m.alive else 'no'} |")
+    return lines
+
+
+def _vllm_section(summary: RunSummary) -> list[str]:
+    items = []
+    if summary.image:
+        image_id = f" ({_short_id(summary.image_id)})" if summary.image_id else ""
+        items.append(f"image `{summary.image}`{image_id}")
+    if summary.vllm_version:
+        items.append(f"vLLM {summary.vllm_version}")
+    if summary.model and summary.endpoint and summary.load_s is not None:
+        items.append(f"`{summary.model}` served at {summary.endpoint}")
+    if summary.load_s is not None:
+        items.append(f"loaded in {summary.load_s:.1f} s")
+    if not items:
+        return []
+    return ["", "## vLLM", "", *(f"- {item}" for item in items)]
+
+
+def _probe_section(verdict: ProbeVerdict | None) -> list[str]:
+    if verdict is None:
+        return []
+    state = "healthy" if verdict.healthy else "unhealthy"
+    lines = ["", "## Probe", "", f"- {state}: {_one_line(verdict.detail)}"]
+    facts = []
+    if verdict.finish_reason is not None:
+        facts.append(f"finish_reason `{verdict.finish_reason}`")
+    if verdict.elapsed_s is not None:
+        facts.append(f"{verdict.elapsed_s:.2f} s")
+    if facts:
+        lines.append("- " + ", ".join(facts))
+    if verdict.content:
+        lines.append(f"- content: \u201c{_literal(first_words(verdict.content))}\u201d")
+    if verdict.reasoning:
+        lines.append(f"- reasoning: \u201c{_literal(first_words(verdict.reasoning))}\u201d")
+    return lines
+
+
+def first_words(text: str, count: int = PROBE_WORDS) -> str:
+    """The first ``count`` words of ``text`` on one line, with an ellipsis when cut."""
+    words = text.split()
+    cut = " ".join(words[:count])
+    return cut + " \u2026" if len(words) > count else cut
+
+
+_MARKDOWN = re.compile(r"([\\`*_\[\]<>#|~])")
+
+
+def _literal(text: str) -> str:
+    """The model's words shown as written: markdown characters in them are escaped."""
+    return _MARKDOWN.sub(r"\\\1", text)
+
+
+def _short_id(image_id: str | None) -> str:
+    return str(image_id).removeprefix("sha256:")[:12]
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _cell(text: str) -> str:
+    return _one_line(text).replace("|", "\\|")
+
+
+# --- live progress ---------------------------------------------------------------------------
+
+StepState = Literal["running", "done", "failed", "loading"]
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """One change of a step: it started, ended, failed (``detail`` says why), or loading moved."""
+
+    step: str
+    state: StepState
+    seconds: float | None = None
+    detail: str = ""
+    load: LoadProgress | None = None
+
+
+Listener = Callable[[StepEvent], None]
+_listeners: list[Listener] = []
+_lock = threading.Lock()
+
+
+def report(event: StepEvent) -> None:
+    """Tell every listener of this process; a failing listener is dropped from this call only."""
+    with _lock:
+        listeners = list(_listeners)
+    for listener in listeners:
+        try:
+            listener(event)
+        except Exception:  # noqa: S112 - a display must never fail the redeploy
+            continue
+
+
+@contextmanager
+def listening(listener: Listener) -> Iterator[None]:
+    """Receive the progress of flow runs in this process while the block runs."""
+    with _lock:
+        _listeners.append(listener)
+    try:
+        yield
+    finally:
+        with _lock:
+            _listeners.remove(listener)
