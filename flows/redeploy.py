@@ -35,8 +35,9 @@ from tasks.probe import probe_model
 from tasks.ray_head import start_ray_head
 from tasks.stop_autostart import stop_autostart
 from tasks.teardown import teardown_group
-from tasks.wait_ready import api_url, wait_until_ready
+from tasks.wait_ready import wait_until_ready
 from vllm_redeploy.config import load_config
+from vllm_redeploy.endpoint import api_base
 from vllm_redeploy.nodes import RemoteError
 from vllm_redeploy.summary import RunSummary, StepEvent, render_markdown, report
 
@@ -88,7 +89,7 @@ def redeploy_vllm_cluster(
         config.name,
         mode,
         node_ips={n.ip: n.name for n in config.nodes},
-        endpoint=f"{api_url(run)}/v1",
+        endpoint=f"{api_base(config)}/v1",
         model=config.vllm.served_name,
         image=config.vllm.image,
     )

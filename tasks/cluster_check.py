@@ -8,8 +8,13 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import RETRY_TRANSIENT, Run, StepFailed, log
-from vllm_redeploy.plan import RAY_MEMBERS_SCRIPT, RayMember, parse_members, ray_container
-from vllm_redeploy.status import membership_problems
+from vllm_redeploy.plan import (
+    RAY_MEMBERS_SCRIPT,
+    RayMember,
+    membership_problems,
+    parse_members,
+    ray_container,
+)
 
 STEP = "cluster-check"
 POLL_S = 0.5
@@ -19,11 +24,6 @@ def ray_members(run: Run) -> list[RayMember]:
     runner = run.head.docker.exec_runner(ray_container(run.config))
     result = runner.run(["python3", "-c", RAY_MEMBERS_SCRIPT], timeout=60)
     return parse_members(result.stdout)
-
-
-def missing_members(run: Run, members: list[RayMember]) -> list[str]:
-    """What is wrong with the membership, one phrase per node (empty when complete)."""
-    return membership_problems(run.config, members)
 
 
 # Not cached: membership is only true now.
@@ -37,7 +37,7 @@ def check_ray_cluster(run: Run) -> list[RayMember]:
     deadline = time.monotonic() + config.deadlines.ray_cluster_s
     while True:
         members = ray_members(run)
-        problems = missing_members(run, members)
+        problems = membership_problems(config, members)
         if not problems:
             gpus = sum(m.gpus for m in members if m.alive)
             log().info("Ray sees %d nodes and %g GPUs", len(members), gpus)

@@ -7,12 +7,18 @@ from dataclasses import dataclass
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.cluster_check import missing_members, ray_members
+from tasks.cluster_check import ray_members
 from tasks.context import Run, log
 from tasks.probe import probe
-from tasks.wait_ready import api_url
+from vllm_redeploy.endpoint import api_base
 from vllm_redeploy.nodes import RemoteError, fan_out
-from vllm_redeploy.plan import LABEL_LAUNCH, engine_container, launch_fingerprint, ray_container
+from vllm_redeploy.plan import (
+    LABEL_LAUNCH,
+    engine_container,
+    launch_fingerprint,
+    membership_problems,
+    ray_container,
+)
 
 
 @dataclass(frozen=True)
@@ -39,14 +45,14 @@ def inspect_deployment(run: Run) -> Health:
     if engine.labels.get(LABEL_LAUNCH) != launch_fingerprint(config):
         return _unhealthy("the engine runs with other settings than the configuration's")
     try:
-        problems = missing_members(run, ray_members(run))
+        problems = membership_problems(config, ray_members(run))
     except RemoteError as exc:
         return _unhealthy(f"Ray membership unknown: {exc}")
     if problems:
         return _unhealthy("; ".join(problems))
     verdict = probe(run)
     if not verdict.healthy:
-        return _unhealthy(f"the probe at {api_url(run)} failed: {verdict.detail}")
+        return _unhealthy(f"the probe at {api_base(config)} failed: {verdict.detail}")
     log().info("deployment healthy: %s", verdict.detail)
     return Health(True, verdict.detail)
 

@@ -6,7 +6,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import Run, StepFailed, log
-from tasks.wait_ready import api_url
+from vllm_redeploy.endpoint import api_base
 from vllm_redeploy.probe import ProbeVerdict, run_probe
 
 STEP = "probe"
@@ -15,7 +15,7 @@ STEP = "probe"
 def probe(run: Run) -> ProbeVerdict:
     p = run.config.probe
     return run_probe(
-        api_url(run),
+        api_base(run.config),
         run.config.vllm.served_name,
         p.prompt,
         p.max_tokens,

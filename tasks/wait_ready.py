@@ -16,9 +16,9 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import Run, StepFailed, log
+from vllm_redeploy.endpoint import api_base, engine_version, list_models
 from vllm_redeploy.parsers.vllm_log import LoadProgress, last_load_progress
 from vllm_redeploy.plan import engine_container
-from vllm_redeploy.status import engine_version
 from vllm_redeploy.summary import StepEvent, report
 
 STEP = "wait-ready"
@@ -35,22 +35,6 @@ class Ready:
     version: str | None = None  # vLLM's, from /version or `vllm --version` in the engine
 
 
-def api_url(run: Run) -> str:
-    return f"http://{run.config.head.address}:{run.config.vllm.port}"
-
-
-def served_models(client: httpx.Client, url: str) -> list[str] | None:
-    """The ids /v1/models lists, or None while the server does not answer with a list."""
-    try:
-        response = client.get(f"{url}/v1/models")
-        data = response.json()
-    except (httpx.HTTPError, ValueError):
-        return None
-    if response.status_code != 200 or not isinstance(data, dict):
-        return None
-    return [str(m.get("id")) for m in data.get("data", []) if isinstance(m, dict)]
-
-
 # Not cached: readiness is only true now, and the engine it watches is this run's.
 @task(name="wait-ready", cache_policy=NO_CACHE)
 def wait_until_ready(run: Run) -> Ready:
@@ -58,7 +42,7 @@ def wait_until_ready(run: Run) -> Ready:
     docker = run.head.docker
     name = engine_container(config)
     want = config.vllm.served_name
-    url = api_url(run)
+    url = api_base(config)
     deadline_s = config.deadlines.model_load_s
     started = time.monotonic()
     progress_id = create_progress_artifact(
@@ -70,7 +54,7 @@ def wait_until_ready(run: Run) -> Ready:
     listed: list[str] | None = None
     with httpx.Client(timeout=HTTP_TIMEOUT) as client:
         while True:
-            listed = served_models(client, url)
+            listed, _ = list_models(client, url)
             if listed is not None and want in listed:
                 update_progress_artifact(progress_id, 100.0)
                 waited = time.monotonic() - started

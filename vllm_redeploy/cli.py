@@ -25,6 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from vllm_redeploy.config import ClusterConfig, ConfigError, NodeConfig, describe, load_config
+from vllm_redeploy.endpoint import api_base
 from vllm_redeploy.gpus import GpuReport, inspect_gpus
 from vllm_redeploy.nodes import NodeAccess, RemoteError, check_node, fan_out
 from vllm_redeploy.parsers.vllm_log import LoadProgress
@@ -429,7 +430,7 @@ def probe(
         prompt, tokens, temperature, timeout = "Say hello in one sentence.", 50, 0.0, 60.0
     else:
         cluster = _load(config)
-        url = url or f"http://{cluster.head.address}:{cluster.vllm.port}"
+        url = url or api_base(cluster)
         model = model or cluster.vllm.served_name
         p = cluster.probe
         prompt, tokens, temperature, timeout = p.prompt, p.max_tokens, p.temperature, p.timeout_s

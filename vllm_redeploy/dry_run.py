@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from vllm_redeploy import PROJECT
 from vllm_redeploy.config import ClusterConfig
+from vllm_redeploy.endpoint import api_base
 from vllm_redeploy.nodes import NodeAccess, RemoteError, fan_out, render_command
 from vllm_redeploy.nodes.docker import LABEL_CLUSTER, LABEL_MANAGED
 from vllm_redeploy.parsers.nvidia_smi import COMPUTE_APPS_ARGV, GPUS_ARGV
@@ -62,7 +63,7 @@ def plan_lines(config: ClusterConfig, inspect_nodes: bool = True) -> list[str]:
     )
     lines.append(
         f"  wait up to {config.deadlines.model_load_s:g} s until "
-        f"http://{config.head.address}:{config.vllm.port}/v1/models lists "
+        f"{api_base(config)}/v1/models lists "
         f"{config.vllm.served_name}"
     )
     lines.append(

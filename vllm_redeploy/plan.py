@@ -197,3 +197,23 @@ def launch_fingerprint(config: ClusterConfig) -> str:
         for s in specs
     ]
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def membership_problems(config: ClusterConfig, members: list[RayMember]) -> list[str]:
+    """What is wrong with Ray's membership, one phrase per node (empty when complete)."""
+    alive = {m.ip: m for m in members if m.alive}
+    problems = []
+    for node in config.nodes:
+        member = alive.get(node.ip)
+        if member is None:
+            problems.append(f"{node.name} is not in the cluster at {node.ip}")
+        elif member.gpus < node.gpus:
+            problems.append(f"{node.name} brings {member.gpus:g} GPUs, expected {node.gpus}")
+    strangers = sorted(set(alive) - {n.ip for n in config.nodes})
+    if strangers:
+        problems.append(
+            "Ray has nodes at unexpected IPs "
+            + ", ".join(strangers)
+            + " (a node registered another address than its fabric_ip)"
+        )
+    return problems

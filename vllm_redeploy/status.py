@@ -13,21 +13,20 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-import docker.errors
 import httpx
-import paramiko
-import requests
 
 from vllm_redeploy import PROJECT
 from vllm_redeploy.config import ClusterConfig, NodeConfig
+from vllm_redeploy.endpoint import api_base, engine_version, list_models
 from vllm_redeploy.gpus import inspect_gpus
-from vllm_redeploy.nodes import NodeAccess, RemoteError, Runner, fan_out
-from vllm_redeploy.nodes.docker import LABEL_CLUSTER, LABEL_MANAGED, LABEL_ROLE, docker_client_for
+from vllm_redeploy.nodes import NodeAccess, RemoteError, fan_out
+from vllm_redeploy.nodes.docker import LABEL_CLUSTER, LABEL_MANAGED, LABEL_ROLE
 from vllm_redeploy.plan import (
     ENGINE_ROLE,
     RAY_MEMBERS_SCRIPT,
     RayMember,
     engine_container,
+    membership_problems,
     parse_members,
     ray_container,
 )
@@ -151,8 +150,7 @@ def _node_status(node: NodeConfig, config: ClusterConfig) -> tuple[NodeStatus, R
     with NodeAccess(node, config) as access:
         timeout = config.ssh.connect_timeout_s
         try:
-            access.runner.check_connection(timeout=timeout)  # connects: not a round trip
-            rtt = access.runner.check_connection(timeout=timeout)
+            rtt = access.runner.round_trip_s(timeout=timeout)
         except RemoteError as exc:
             return _unreachable(node, config, str(exc)), None
         rtt_ms = round(rtt * 1000, 1)
@@ -181,7 +179,6 @@ def _containers(
 ) -> list[ContainerStatus]:
     labels = {LABEL_MANAGED: PROJECT, LABEL_CLUSTER: config.name}
     found = access.docker.list_containers(labels=labels)
-    started = _started_at(access, node, [c.name for c in found if c.running])
     now = datetime.now(UTC)
     return [
         ContainerStatus(
@@ -189,47 +186,11 @@ def _containers(
             c.labels.get(LABEL_ROLE, "?"),
             c.status,
             c.running,
-            max(0.0, round((now - started[c.name]).total_seconds(), 1))
-            if c.name in started
-            else None,
+            max(0.0, round((now - c.started_at).total_seconds(), 1)) if c.started_at else None,
             c.exit_code,
         )
         for c in sorted(found, key=lambda c: c.name)
     ]
-
-
-def _started_at(access: NodeAccess, node: NodeConfig, names: list[str]) -> dict[str, datetime]:
-    """When each running container started (uptime); what cannot be read is left out."""
-    if not names:
-        return {}
-    client = docker_client_for(access.runner, node.docker_host)
-    started: dict[str, datetime] = {}
-    try:
-        for name in names:
-            text = client.api.inspect_container(name)["State"]["StartedAt"]
-            started[name] = _parse_docker_time(text)
-    except (
-        docker.errors.DockerException,
-        requests.exceptions.ConnectionError,
-        paramiko.SSHException,
-        KeyError,
-        ValueError,
-    ):
-        pass
-    finally:
-        with contextlib.suppress(Exception):
-            client.close()
-    return started
-
-
-def _parse_docker_time(text: str) -> datetime:
-    """Docker's RFC 3339 times carry nanoseconds: 2026-01-02T03:04:05.123456789Z."""
-    stamp = text.rstrip("Z")
-    whole, _, fraction = stamp.partition(".")
-    parsed = datetime.fromisoformat(whole).replace(tzinfo=UTC)
-    if fraction:
-        parsed = parsed.replace(microsecond=int(fraction[:6].ljust(6, "0")))
-    return parsed
 
 
 def _gpu(access: NodeAccess) -> GpuStatus:
@@ -261,81 +222,18 @@ def _ray(access: NodeAccess, config: ClusterConfig, containers: list[ContainerSt
     return RayStatus(members, membership_problems(config, members))
 
 
-def membership_problems(config: ClusterConfig, members: list[RayMember]) -> list[str]:
-    """What is wrong with Ray's membership, one phrase per node (empty when complete)."""
-    alive = {m.ip: m for m in members if m.alive}
-    problems = []
-    for node in config.nodes:
-        member = alive.get(node.ip)
-        if member is None:
-            problems.append(f"{node.name} is not in the cluster at {node.ip}")
-        elif member.gpus < node.gpus:
-            problems.append(f"{node.name} brings {member.gpus:g} GPUs, expected {node.gpus}")
-    strangers = sorted(set(alive) - {n.ip for n in config.nodes})
-    if strangers:
-        problems.append(
-            "Ray has nodes at unexpected IPs "
-            + ", ".join(strangers)
-            + " (a node registered another address than its fabric_ip)"
-        )
-    return problems
-
-
-def api_base(config: ClusterConfig) -> str:
-    return f"http://{config.head.address}:{config.vllm.port}"
-
-
 def check_endpoint(config: ClusterConfig) -> EndpointStatus:
     base = api_base(config)
     want = config.vllm.served_name
-    models: list[str] | None = None
-    models_error: str | None = None
     health: int | None = None
     with httpx.Client(timeout=HTTP_TIMEOUT) as client:
-        try:
-            response = client.get(f"{base}/v1/models")
-            data = response.json()
-            if response.status_code == 200 and isinstance(data, dict):
-                models = [str(m.get("id")) for m in data.get("data", []) if isinstance(m, dict)]
-            else:
-                models_error = f"HTTP {response.status_code}"
-        except httpx.HTTPError as exc:
-            models_error = _http_error(exc)
-        except ValueError:
-            models_error = "the answer is not JSON"
+        models, models_error = list_models(client, base)
         with contextlib.suppress(httpx.HTTPError):
             health = client.get(f"{base}/health").status_code
         version = engine_version(client, base) if models is not None else None
     p = config.probe
     verdict = run_probe(base, want, p.prompt, p.max_tokens, p.temperature, p.timeout_s)
     return EndpointStatus(f"{base}/v1", want, models, models_error, health, version, verdict)
-
-
-def engine_version(client: httpx.Client, base_url: str, engine: Runner | None = None) -> str | None:
-    """vLLM's version: GET /version, else ``vllm --version`` in the engine container."""
-    try:
-        response = client.get(f"{base_url}/version")
-        version = response.json().get("version") if response.status_code == 200 else None
-        if isinstance(version, str) and version:
-            return version
-    except (httpx.HTTPError, ValueError, AttributeError):
-        pass
-    if engine is None:
-        return None
-    try:
-        result = engine.run(["vllm", "--version"], timeout=30, check=False)
-    except RemoteError:
-        return None
-    lines = result.stdout.strip().splitlines()
-    return lines[-1].strip() if result.ok and lines else None
-
-
-def _http_error(exc: httpx.HTTPError) -> str:
-    if isinstance(exc, httpx.ConnectError):
-        return "connection refused (loading, or no server)"
-    if isinstance(exc, httpx.TimeoutException):
-        return "no answer in time"
-    return str(exc) or type(exc).__name__
 
 
 def _judge(

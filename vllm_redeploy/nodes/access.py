@@ -122,8 +122,7 @@ def check_node(node: NodeConfig, config: ClusterConfig) -> NodeReport:
     """Reach the node, time a round trip, and ask its Docker engine for its version."""
     with NodeAccess(node, config) as access:
         try:
-            access.runner.check_connection(timeout=config.ssh.connect_timeout_s)
-            rtt = access.runner.check_connection(timeout=config.ssh.connect_timeout_s)
+            rtt = access.runner.round_trip_s(timeout=config.ssh.connect_timeout_s)
         except RemoteError as exc:
             return NodeReport(node.name, node.address, node.transport, False, error=str(exc))
         try:

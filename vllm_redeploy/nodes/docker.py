@@ -12,6 +12,7 @@ import fnmatch
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import docker
@@ -68,6 +69,7 @@ class ContainerInfo:
     labels: Mapping[str, str]
     exit_code: int | None
     oom_killed: bool
+    started_at: datetime | None = None  # None when not running
 
     @property
     def running(self) -> bool:
@@ -360,7 +362,18 @@ def _info(container: Container) -> ContainerInfo:
         labels=attrs.get("Config", {}).get("Labels") or {},
         exit_code=state.get("ExitCode") if state.get("Status") in ("exited", "dead") else None,
         oom_killed=bool(state.get("OOMKilled")),
+        started_at=_docker_time(state.get("StartedAt", "")) if state.get("Running") else None,
     )
+
+
+def _docker_time(text: str) -> datetime | None:
+    """Docker's RFC 3339 times carry nanoseconds: 2026-01-02T03:04:05.123456789Z."""
+    whole, _, fraction = text.rstrip("Z").partition(".")
+    try:
+        parsed = datetime.fromisoformat(whole).replace(tzinfo=UTC)
+    except ValueError:
+        return None
+    return parsed.replace(microsecond=int(fraction[:6].ljust(6, "0"))) if fraction else parsed
 
 
 def _plain(exc: docker.errors.DockerException) -> str:

@@ -116,6 +116,11 @@ class Runner(ABC):
         """Run ``true`` on the node; return the round-trip time in seconds."""
         return self.run(["true"], timeout=timeout).duration_s
 
+    def round_trip_s(self, timeout: float = CHECK_TIMEOUT_S) -> float:
+        """Seconds for one `true` on an open connection (the first call may connect)."""
+        self.check_connection(timeout)
+        return self.check_connection(timeout)
+
     @abstractmethod
     def _execute(
         self,

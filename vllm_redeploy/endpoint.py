@@ -1,0 +1,54 @@
+"""What the vLLM endpoint says: its base URL, the models it lists, its version."""
+
+from __future__ import annotations
+
+import httpx
+
+from vllm_redeploy.config import ClusterConfig
+from vllm_redeploy.nodes import RemoteError, Runner
+
+
+def api_base(config: ClusterConfig) -> str:
+    """Where the controller reaches the OpenAI-compatible API on the head."""
+    return f"http://{config.head.address}:{config.vllm.port}"
+
+
+def list_models(client: httpx.Client, base_url: str) -> tuple[list[str] | None, str | None]:
+    """The ids /v1/models lists, or (None, why) while it does not answer with a list."""
+    try:
+        response = client.get(f"{base_url}/v1/models")
+        data = response.json()
+    except httpx.HTTPError as exc:
+        return None, http_error(exc)
+    except ValueError:
+        return None, "the answer is not JSON"
+    if response.status_code != 200 or not isinstance(data, dict):
+        return None, f"HTTP {response.status_code}"
+    return [str(m.get("id")) for m in data.get("data", []) if isinstance(m, dict)], None
+
+
+def engine_version(client: httpx.Client, base_url: str, engine: Runner | None = None) -> str | None:
+    """vLLM's version: GET /version, else ``vllm --version`` in the engine container."""
+    try:
+        response = client.get(f"{base_url}/version")
+        version = response.json().get("version") if response.status_code == 200 else None
+        if isinstance(version, str) and version:
+            return version
+    except (httpx.HTTPError, ValueError, AttributeError):
+        pass
+    if engine is None:
+        return None
+    try:
+        result = engine.run(["vllm", "--version"], timeout=30, check=False)
+    except RemoteError:
+        return None
+    lines = result.stdout.strip().splitlines()
+    return lines[-1].strip() if result.ok and lines else None
+
+
+def http_error(exc: httpx.HTTPError) -> str:
+    if isinstance(exc, httpx.ConnectError):
+        return "connection refused (loading, or no server)"
+    if isinstance(exc, httpx.TimeoutException):
+        return "no answer in time"
+    return str(exc) or type(exc).__name__
