@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import logging
 import re
+import signal
 import threading
 import time
 import uuid
@@ -23,6 +24,7 @@ import uvicorn
 from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import ClientDisconnect
 
 from deployments.events import EventSender, reboot_event
 from vllm_redeploy.config import ClusterConfig
@@ -176,10 +178,13 @@ def create_app(config: ClusterConfig, sender: Sender) -> FastAPI:
         if given is None:
             return refuse(401, "bad signature")
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk[: limit + 1 - len(body)]
-            if len(body) > limit:
-                return refuse(413, f"body over {limit} bytes", {"Connection": "close"})
+        try:
+            async for chunk in request.stream():
+                body += chunk[: limit + 1 - len(body)]
+                if len(body) > limit:
+                    return refuse(413, f"body over {limit} bytes", {"Connection": "close"})
+        except ClientDisconnect:  # the caller went away mid-body: nobody to answer, no traceback
+            return refuse(400, "the body ended early (the client disconnected)")
         expected = hmac.new(key, f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
         if not hmac.compare_digest(expected.encode(), given.group(1).lower().encode()):
             return refuse(401, "bad signature")
@@ -218,6 +223,15 @@ def serve_webhook(
     """
     webhook_secret(config)
     sender = sender or EventSender()
+    # After its graceful shutdown uvicorn raises the signal again with the previous handler in
+    # place; for SIGTERM (systemctl stop) the default one ends the process at once, before the
+    # `finally` below hands Prefect the events still queued (already answered 202, so no node
+    # retries them). A handler that exits normally lets the `finally` run.
+    previous = (
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        if threading.current_thread() is threading.main_thread()
+        else None
+    )
     try:
         app = create_app(config, sender)
         uvicorn.run(
@@ -231,6 +245,12 @@ def serve_webhook(
         )
     finally:
         sender.close(timeout=10)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(0)  # a requested stop, done gracefully
 
 
 @contextlib.contextmanager

@@ -177,3 +177,9 @@ def test_errors_survive_pickling(ssh_runner: SSHRunner, target: SSHTarget, tmp_p
     for error in (failed.value, rejected.value):
         copy = pickle.loads(pickle.dumps(error))
         assert type(copy) is type(error) and str(copy) == str(error)
+
+
+def test_a_key_passphrase_never_shows_in_a_targets_repr() -> None:
+    target = SSHTarget(host="10.0.0.1", port=22, user="root", key_passphrase="s3cret-passphrase")
+    assert "s3cret-passphrase" not in repr(target)
+    assert target.key_passphrase == "s3cret-passphrase"

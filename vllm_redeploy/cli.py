@@ -58,7 +58,7 @@ def _load(path: Path) -> ClusterConfig:
     try:
         return load_config(path)
     except ConfigError as exc:
-        err.print(f"[bold red]Configuration problem in {exc.source}[/]", highlight=False)
+        err.print(f"[bold red]Configuration problem in {escape(exc.source)}[/]", highlight=False)
         for problem in exc.problems:
             err.print(f"  - {problem}", highlight=False, markup=False)
         err.print(

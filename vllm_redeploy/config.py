@@ -26,7 +26,12 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 ENV_PREFIX = "VLLM_REDEPLOY_"
 DEFAULT_CONFIG = Path("cluster.toml")
@@ -364,9 +369,12 @@ class ClusterConfig(BaseSettings):
         if dupes:
             problems.append(f"node names must be unique; repeated: {', '.join(dupes)}")
         ips = [n.ip for n in self.nodes]
-        dupe_ips = sorted({ip for ip in ips if ips.count(ip) > 1})
-        if dupe_ips:
-            problems.append(f"each node needs its own fabric_ip; shared: {', '.join(dupe_ips)}")
+        for ip in sorted({ip for ip in ips if ips.count(ip) > 1}):
+            sharing = " and ".join(n.name for n in self.nodes if n.ip == ip)
+            problems.append(
+                f"{sharing} have the same fabric_ip {ip}; each node needs its own (the address "
+                "Ray and VLLM_HOST_IP use on that node): fix the fabric_ip of the wrong one"
+            )
         heads = [n.name for n in self.nodes if n.head]
         if len(heads) > 1:
             problems.append(f"only one node can be the head; head = true on {', '.join(heads)}")
@@ -430,6 +438,8 @@ def load_config(
                 if line not in problems:
                     problems.append(line)
         raise ConfigError(str(path), problems) from None
+    except SettingsError as exc:  # a list or table from the environment that is not JSON
+        raise ConfigError(str(path), [_settings_problem(exc)]) from None
     problems = _file_problems(config)
     if problems:
         raise ConfigError(str(path), problems)
@@ -450,6 +460,14 @@ def _read_toml(path: Path) -> dict[str, Any]:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(str(path), [f"not valid TOML: {exc}"]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            str(path), [f"not valid TOML: the file is not UTF-8 text (byte {exc.start})"]
+        ) from None
+    except RecursionError:
+        raise ConfigError(
+            str(path), ["not valid TOML: arrays or tables nested too deeply"]
+        ) from None
     except OSError as exc:
         raise ConfigError(str(path), [f"cannot read the file: {exc.strerror}"]) from None
 
@@ -460,11 +478,36 @@ def _file_problems(config: ClusterConfig) -> list[str]:
     for key_file, key in [(config.ssh.key_file, "ssh.key_file")] + [
         (n.ssh_key_file, f"nodes[{i}].ssh_key_file") for i, n in enumerate(config.nodes)
     ]:
-        if key_file is not None and not key_file.expanduser().is_file():
+        if key_file is not None and not _is_file(key_file):
             problems.append(
                 f"{key}: the key file {key_file} does not exist; fix the path or remove the key"
             )
+    try:
+        config.ssh.known_hosts.expanduser()
+    except RuntimeError:  # ~user of a user this machine does not have
+        problems.append(
+            f"ssh.known_hosts: cannot expand {config.ssh.known_hosts} (no such user's home)"
+        )
     return problems
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.expanduser().is_file()
+    except (OSError, RuntimeError, ValueError):  # ~nosuchuser, a name too long, a NUL byte
+        return False
+
+
+def _settings_problem(exc: SettingsError) -> str:
+    """The line for an environment (or .env) value that pydantic-settings could not parse."""
+    match = re.search(r'field "([^"]+)"', str(exc))
+    field = match.group(1) if match else "(top level)"
+    names = sorted(k for k in os.environ if k.upper().startswith(f"{ENV_PREFIX}{field.upper()}"))
+    where = ", ".join(names) or "a variable in .env"
+    return (
+        f"{field}: cannot parse the value set in the environment ({where}); lists and tables "
+        "set there must be JSON, e.g. VLLM_REDEPLOY_VLLM__EXTRA_ARGS='[\"--enforce-eager\"]'"
+    )
 
 
 def _location(loc: tuple[Any, ...]) -> str:
@@ -488,7 +531,10 @@ def _explain(error: Any) -> str:
     loc = error["loc"]
     key = _location(loc)
     kind = error["type"]
-    if kind == "extra_forbidden":
+    if kind == "extra_forbidden":  # name the key itself, whatever it is called
+        parent, name = _location(loc[:-1]), str(loc[-1])
+        name = name if re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name) else repr(name[:64])
+        key = name if parent == "(top level)" else f"{parent}.{name}"
         return f"{key}: unknown key{_did_you_mean(loc)}; check the spelling or remove it"
     if kind == "missing":
         where = "add it to the file"

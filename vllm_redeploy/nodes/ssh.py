@@ -14,7 +14,7 @@ import shlex
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import paramiko
@@ -42,7 +42,7 @@ class SSHTarget:
     port: int = 22
     user: str | None = None
     key_file: Path | None = None
-    key_passphrase: str | None = None
+    key_passphrase: str | None = field(default=None, repr=False)  # a secret: never printed
     known_hosts: Path = Path("~/.ssh/known_hosts")
     trust_on_first_use: bool = False
     connect_timeout_s: float = 10.0
@@ -119,6 +119,15 @@ class SSHRunner(Runner):
     def is_connected(self) -> bool:
         transport = self._client.get_transport() if self._client else None
         return bool(transport and transport.is_active())
+
+    def _still_connected(self, settle_s: float = 0.2) -> bool:
+        """Is the connection alive after a command ended without an exit status? When the link
+        drops, paramiko closes the channels a moment before it marks the transport inactive:
+        wait that moment, so a cut is not mistaken for a command killed by a signal."""
+        deadline = time.monotonic() + settle_s
+        while self.is_connected and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.is_connected
 
     def client(self) -> paramiko.SSHClient:
         """The live paramiko client, connecting (or reconnecting) if needed."""
@@ -258,7 +267,7 @@ class SSHRunner(Runner):
                 ):
                     break
             status = channel.recv_exit_status()
-            if status == EXIT_NO_STATUS and not self.is_connected:
+            if status == EXIT_NO_STATUS and not self._still_connected():
                 raise ConnectionLost(
                     self.node, "the SSH connection dropped while the command ran", ""
                 )
