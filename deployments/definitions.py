@@ -72,15 +72,24 @@ def deployment_specs(config: ClusterConfig, config_path: Path) -> list[dict[str,
     ]
 
 
+# How often `serve` asks the API for runs to start: a click in the UI or a reboot's run starts
+# within this. Prefect's default, 10 s, would add up to 10 s to every recovery; one cheap query.
+RUNNER_POLL_S = 2.0
+
+
 def serve_deployments(config: ClusterConfig, config_path: Path) -> None:
     """Serve the three deployments from this process (no work pool). Schedules stay active
     when it stops: a controller restart must not silently pause the nightly run."""
     from prefect import serve
 
+    from deployments.zombies import enable_heartbeats, ensure_zombie_automation
     from flows.redeploy import redeploy_vllm_cluster
+
+    enable_heartbeats()
+    ensure_zombie_automation()
 
     deployments = [
         redeploy_vllm_cluster.to_deployment(**spec)
         for spec in deployment_specs(config, config_path)
     ]
-    serve(*deployments, pause_on_shutdown=False)
+    serve(*deployments, pause_on_shutdown=False, query_seconds=RUNNER_POLL_S)

@@ -1,8 +1,8 @@
 """Bring the vLLM cluster back: the operator's runbook as one flow.
 
-0. Preflight: every node reachable (late ones waited for), Docker, image, model, Ray, ports.
+0. Preflight: every node reachable (late ones waited for), Docker, image, model, Ray, fabric IP.
 1. Stop what auto-starts at boot (units, containers) and our own earlier containers.
-2. Make sure every GPU is free.
+2. Make sure every GPU is free, and the head's API and Ray ports.
 3. Start the Ray head, pinned to the head's fabric IP.
 4. Join the workers, each pinned to its own fabric IP.
 5. Check that Ray sees every node and every GPU.
@@ -28,15 +28,15 @@ from tasks.context import Run, StepFailed, log
 from tasks.diagnostics import collect_diagnostics
 from tasks.gpus_clear import wait_gpus_clear
 from tasks.inspect_deployment import inspect_deployment
-from tasks.join_workers import join_worker
 from tasks.launch_vllm import launch_vllm
+from tasks.ports_free import wait_ports_free
 from tasks.preflight import judge_preflight, preflight_node
 from tasks.probe import probe_model
-from tasks.ray_head import start_ray_head
+from tasks.ray_start import join_worker, start_ray_head
 from tasks.stop_autostart import stop_autostart
 from tasks.teardown import teardown_group
 from tasks.wait_ready import wait_until_ready
-from vllm_redeploy.config import load_config
+from vllm_redeploy.config import ConfigError, load_config
 from vllm_redeploy.endpoint import api_base
 from vllm_redeploy.nodes import RemoteError
 from vllm_redeploy.summary import RunSummary, StepEvent, render_markdown, report
@@ -83,7 +83,12 @@ def redeploy_vllm_cluster(
     Secrets come from the environment or .env of the process that runs the flow, never from
     parameters.
     """
-    config = load_config(config_path)
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
+        reason = f"{exc.source} cannot be used: {'; '.join(exc.problems)}"
+        log().error("failed at config: %s", reason)
+        raise StepFailed("config", reason) from None
     run = Run(config)
     summary = RunSummary(
         config.name,
@@ -109,6 +114,7 @@ def redeploy_vllm_cluster(
         judge_preflight(run, facts)
         summary.stopped = step("stop-autostart", per_node, stop_autostart, run, nodes)
         summary.gpus = step("gpus-clear", per_node, wait_gpus_clear, run, nodes)
+        step("ports-free", wait_ports_free, run)
         launched = True
         step("ray-head", start_ray_head, run, config.head.name)
         step("join-workers", per_node, join_worker, run, [w.name for w in config.workers])

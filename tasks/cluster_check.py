@@ -1,4 +1,8 @@
-"""Step 5, cluster check: Ray sees every node alive at its fabric IP, and every GPU."""
+"""Step 5, cluster check: Ray sees every node alive at its fabric IP, and every GPU.
+
+While the nodes start, each one's Ray log says when it has registered (a cheap read); Ray's own
+member list then decides. A node whose Ray exits fails the step at once, with its log.
+"""
 
 from __future__ import annotations
 
@@ -9,20 +13,24 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.context import RETRY_TRANSIENT, Run, StepFailed, log
 from vllm_redeploy.plan import (
-    RAY_MEMBERS_SCRIPT,
     RayMember,
     membership_problems,
     parse_members,
     ray_container,
+    ray_members_argv,
 )
+from vllm_redeploy.ray_log import wait_ray_started
 
 STEP = "cluster-check"
-POLL_S = 0.5
+POLL_S = 0.1
+# Ask Ray itself at least this often, even before every node logged its start (a Ray build may
+# word its success line differently); each look runs Python in the head container.
+LOOK_EVERY_S = 3.0
 
 
 def ray_members(run: Run) -> list[RayMember]:
     runner = run.head.docker.exec_runner(ray_container(run.config))
-    result = runner.run(["python3", "-c", RAY_MEMBERS_SCRIPT], timeout=60)
+    result = runner.run(ray_members_argv(run.config), timeout=60)
     return parse_members(result.stdout)
 
 
@@ -34,21 +42,47 @@ def ray_members(run: Run) -> list[RayMember]:
 )
 def check_ray_cluster(run: Run) -> list[RayMember]:
     config = run.config
-    deadline = time.monotonic() + config.deadlines.ray_cluster_s
+    window = config.deadlines.ray_cluster_s
+    started = time.monotonic()
+    starting = [n.name for n in config.nodes]
+    next_look = started + LOOK_EVERY_S
+    problems: list[str] = []
     while True:
-        members = ray_members(run)
-        problems = membership_problems(config, members)
-        if not problems:
-            gpus = sum(m.gpus for m in members if m.alive)
-            log().info("Ray sees %d nodes and %g GPUs", len(members), gpus)
-            return members
-        if time.monotonic() >= deadline:
+        starting = _still_starting(run, starting)
+        now = time.monotonic()
+        if not starting or now >= next_look:
+            members = ray_members(run)
+            problems = membership_problems(config, members)
+            if not problems:
+                gpus = sum(m.gpus for m in members if m.alive)
+                log().info("Ray sees %d nodes and %g GPUs", len(members), gpus)
+                return members
+            next_look = time.monotonic() + (POLL_S * 5 if not starting else LOOK_EVERY_S)
+        if now - started >= window:
             status = run.head.docker.exec_runner(ray_container(config)).run(
                 ["ray", "status"], timeout=60, check=False
             )
             raise StepFailed(
                 STEP,
-                f"after {config.deadlines.ray_cluster_s:g} s: {'; '.join(problems)}. "
+                f"after {window:g} s: {'; '.join(problems)}. "
                 f"ray status:\n{status.stdout.strip() or status.stderr.strip()}",
             )
         time.sleep(POLL_S)
+
+
+def _still_starting(run: Run, names: list[str]) -> list[str]:
+    """The nodes whose `ray start` has not reported success yet; fails if one exited."""
+    config = run.config
+    pending = []
+    for name in names:
+        start = wait_ray_started(run.node(name).docker, ray_container(config), 0)
+        if start.exited:
+            role = "head" if name == config.head.name else "worker"
+            raise StepFailed(
+                STEP,
+                f"Ray on {name} ({role}, {run.node_config(name).ip}) exited with code "
+                f"{start.exit_code} while starting: {start.tail}",
+            )
+        if not start.started:
+            pending.append(name)
+    return pending

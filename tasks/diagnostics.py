@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import Run
 from vllm_redeploy import PROJECT
-from vllm_redeploy.nodes import RemoteError, fan_out
+from vllm_redeploy.nodes import NodeAccess, RemoteError, fan_out
 from vllm_redeploy.nodes.docker import LABEL_CLUSTER, LABEL_MANAGED
 from vllm_redeploy.nodes.result import MASK
 from vllm_redeploy.parsers.nvidia_smi import COMPUTE_APPS_ARGV
@@ -18,34 +20,49 @@ LOG_LINES = 40
 
 
 def _node_section(run: Run, name: str) -> str:
+    """Containers with their logs, GPU processes, kernel OOM lines and, on the head, `ray
+    status`: read at once, as a failed run should end soon after the failure."""
     access = run.node(name)
-    parts = [f"## {name}"]
+    with ThreadPoolExecutor(max_workers=4, thread_name_prefix="diagnose") as pool:
+        pieces = [
+            pool.submit(_containers, run, access),
+            pool.submit(_gpu_processes, access),
+            pool.submit(_kernel_oom, access),
+        ]
+        if name == run.config.head.name:
+            pieces.append(pool.submit(_ray_status, run, access))
+        return "\n\n".join([f"## {name}", *(p for f in pieces if (p := f.result()))])
+
+
+def _containers(run: Run, access: NodeAccess) -> str:
     labels = {LABEL_MANAGED: PROJECT, LABEL_CLUSTER: run.config.name}
+    parts = []
     for c in access.docker.list_containers(labels=labels):
         code = f", exit {c.exit_code}" if c.exit_code is not None else ""
         oom = ", OOM-killed" if c.oom_killed else ""
         parts.append(f"### {c.name} ({c.status}{code}{oom})")
         parts.append("```\n" + access.docker.logs_tail(c.name, LOG_LINES).strip() + "\n```")
+    return "\n\n".join(parts)
+
+
+def _gpu_processes(access: NodeAccess) -> str:
     smi = access.runner.run(list(COMPUTE_APPS_ARGV), check=False)
-    parts.append("### nvidia-smi compute apps\n```\n" + (smi.stdout.strip() or "(none)") + "\n```")
-    # Kernel OOM lines, where the login user may read the kernel log.
+    return "### nvidia-smi compute apps\n```\n" + (smi.stdout.strip() or "(none)") + "\n```"
+
+
+def _kernel_oom(access: NodeAccess) -> str:
+    """Kernel OOM lines, where the login user may read the kernel log."""
     dmesg = access.runner.run(["dmesg", "--level=err,warn"], check=False)
     oom = [line for line in dmesg.stdout.splitlines() if "oom" in line.lower()][-10:]
-    if oom:
-        parts.append("### kernel OOM lines\n```\n" + "\n".join(oom) + "\n```")
-    if name == run.config.head.name:
-        status = (
-            access.docker.exec_runner(ray_container(run.config)).run(
-                ["ray", "status"], timeout=60, check=False
-            )
-            if access.docker.get(ray_container(run.config))
-            else None
-        )
-        if status is not None:
-            parts.append(
-                "### ray status\n```\n" + (status.stdout or status.stderr).strip() + "\n```"
-            )
-    return "\n\n".join(parts)
+    return "### kernel OOM lines\n```\n" + "\n".join(oom) + "\n```" if oom else ""
+
+
+def _ray_status(run: Run, access: NodeAccess) -> str:
+    name = ray_container(run.config)
+    if not access.docker.get(name):
+        return ""
+    status = access.docker.exec_runner(name).run(["ray", "status"], timeout=60, check=False)
+    return "### ray status\n```\n" + (status.stdout or status.stderr).strip() + "\n```"
 
 
 @task(name="diagnostics", cache_policy=NO_CACHE)

@@ -1,9 +1,10 @@
 """Step 0, preflight: every node reachable (waiting for late ones), Docker up, the same image,
-the model directory, Ray in the image, and the API and Ray ports free on the head."""
+the model directory, Ray in the image, and each node's fabric IP."""
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from prefect import task
@@ -11,7 +12,7 @@ from prefect.cache_policies import INPUTS, RUN_ID
 
 from tasks.context import RETRY_TRANSIENT, Run, StepFailed, log
 from vllm_redeploy.nodes import AuthenticationFailed, HostKeyRejected, NodeUnreachable
-from vllm_redeploy.plan import engine_container, ray_container, ray_spec
+from vllm_redeploy.plan import ray_container, ray_spec
 
 STEP = "preflight"
 REACH_POLL_S = 2.0
@@ -27,7 +28,7 @@ class NodeFacts:
     ray_path: str | None  # where `ray` is in the image; None when it is not there
     waited_s: float
     fabric_ip_local: bool = True
-    busy_ports: tuple[str, ...] = ()
+    ray_checked: bool = True  # the image was checked for Ray on this node (the head only)
 
 
 def wait_reachable(run: Run, name: str) -> float:
@@ -43,8 +44,9 @@ def wait_reachable(run: Run, name: str) -> float:
         except NodeUnreachable as exc:
             waited = time.monotonic() - started
             if waited >= window:
+                hint = f". {exc.hint}" if exc.hint else ""
                 raise StepFailed(
-                    STEP, f"node {name} did not come back within {window:g} s: {exc.reason}"
+                    STEP, f"node {name} did not come back within {window:g} s: {exc.reason}{hint}"
                 ) from None
             log().info("waiting for %s (%s), %.0f s of %g s", name, exc.reason, waited, window)
             run.node(name).runner.close()
@@ -67,56 +69,39 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
     docker = access.docker
     version = docker.version()
     image_id = docker.image_id(config.vllm.image)
+    # One node answers for the image (the IDs must match everywhere), in the background: its
+    # container takes the longest of all checks.
+    background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="preflight")
+    ray_check = None
+    if image_id is not None and name == config.head.name:
+        ray_check = background.submit(_ray_in_image, run, name)
+    background.shutdown(wait=False)
     model = access.runner.run(["test", "-d", config.vllm.model], check=False)
-    ray_path = None
-    if image_id is not None:
-        check = replace(
-            ray_spec(config.nodes[0], config),
-            name=f"{ray_container(config)}-check",
-            command=["sh", "-c", "command -v ray"],
-            volumes=list(config.vllm.volumes),
-            gpus=None,
-        )
-        code, output = docker.run_to_completion(check, RAY_CHECK_TIMEOUT_S)
-        if code == 0 and output.strip():
-            ray_path = output.strip().splitlines()[-1]
     # Fabric IPs set by hand are lost at reboot; `ip route get` tells, without sending anything,
     # whether the node still owns its fabric IP ("local ..." when it does).
     ip = run.node_config(name).ip
     route = access.runner.run(["ip", "route", "get", ip], check=False)
     local = route.ok and route.stdout.startswith("local ")
-    busy: tuple[str, ...] = ()
-    if name == config.head.name:
-        busy = _busy_ports(run)
-    return NodeFacts(name, version, image_id, model.ok, ray_path, waited, local, busy)
-
-
-def _busy_ports(run: Run) -> tuple[str, ...]:
-    """API and Ray ports on the head that something other than our containers listens on."""
-    config = run.config
-    ours_running = any(
-        c.running
-        for c in run.head.docker.list_containers([engine_container(config), ray_container(config)])
+    ray_path = ray_check.result() if ray_check else None
+    return NodeFacts(
+        name, version, image_id, model.ok, ray_path, waited, local, ray_check is not None
     )
-    if ours_running:
-        return ()
-    busy = []
-    for label, port in (("API port", config.vllm.port), ("Ray port", config.ray.port)):
-        result = run.head.runner.run(["ss", "-Hltn", f"sport = :{port}"], check=False)
-        if result.ok and _listens_on(result.stdout, config.head.ip):
-            busy.append(f"{label} {port}")
-    return tuple(busy)
 
 
-def _listens_on(ss_output: str, ip: str) -> bool:
-    """Does a listener in `ss -Hltn` output take this IP (itself or a wildcard address)?"""
-    for line in ss_output.splitlines():
-        fields = line.split()
-        if len(fields) >= 4:
-            address = fields[3].rsplit(":", 1)[0].strip("[]")
-            if address in (ip, "0.0.0.0", "*", "::"):  # noqa: S104 - comparing, not binding
-                return True
-    return False
+def _ray_in_image(run: Run, name: str) -> str | None:
+    """Where `ray` is in the image, or None when it is not there."""
+    config = run.config
+    check = replace(
+        ray_spec(config.nodes[0], config),
+        name=f"{ray_container(config)}-check",
+        command=["sh", "-c", "command -v ray"],
+        volumes=list(config.vllm.volumes),
+        gpus=None,
+    )
+    code, output = run.node(name).docker.run_to_completion(check, RAY_CHECK_TIMEOUT_S)
+    if code == 0 and output.strip():
+        return output.strip().splitlines()[-1]
+    return None
 
 
 def judge_preflight(run: Run, facts: list[NodeFacts]) -> None:
@@ -129,7 +114,7 @@ def judge_preflight(run: Run, facts: list[NodeFacts]) -> None:
                 f"{f.node}: image {config.vllm.image} is not on the node "
                 "(docker pull it there, or docker save | docker load from another node)"
             )
-        elif f.ray_path is None:
+        elif f.ray_checked and f.ray_path is None:
             problems.append(
                 f"{f.node}: `ray` does not run in image {config.vllm.image}; vLLM images since "
                 "0.18 do not bundle Ray: use an image that installs it"
@@ -142,11 +127,6 @@ def judge_preflight(run: Run, facts: list[NodeFacts]) -> None:
             )
         if not f.model_present:
             problems.append(f"{f.node}: the model directory {config.vllm.model} does not exist")
-        for port in f.busy_ports:
-            problems.append(
-                f"{f.node}: the {port} is in use by a process that is not ours; stop it or "
-                "change the port in the configuration"
-            )
     ids = {f.image_id for f in facts if f.image_id}
     if len(ids) > 1:
         listing = ", ".join(f"{f.node} {str(f.image_id)[:19]}" for f in facts)

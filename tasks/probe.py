@@ -29,6 +29,8 @@ def probe(run: Run) -> ProbeVerdict:
 def probe_model(run: Run) -> ProbeVerdict:
     verdict = probe(run)
     if not verdict.healthy:
-        raise StepFailed(STEP, f"the model answered but is not healthy: {verdict.detail}")
+        # No status: nothing came back (a stall, a refused or cut connection).
+        what = "answered but is not healthy" if verdict.status_code else "did not answer"
+        raise StepFailed(STEP, f"the model {what}: {verdict.detail}")
     log().info("probe healthy: %s", verdict.detail)
     return verdict

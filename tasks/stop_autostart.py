@@ -5,6 +5,7 @@ Nothing else is touched: other containers stay, and no file is removed.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from prefect import task
@@ -12,7 +13,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.context import RETRY_TRANSIENT, Run, log
 from vllm_redeploy import PROJECT
-from vllm_redeploy.nodes.docker import LABEL_CLUSTER, LABEL_MANAGED
+from vllm_redeploy.nodes.docker import LABEL_CLUSTER, LABEL_MANAGED, ContainerInfo
 
 
 @dataclass(frozen=True)
@@ -55,22 +56,24 @@ def stop_autostart(run: Run, name: str) -> StopReport:
             if enabled.stdout.strip() == "enabled":
                 access.runner.run(["systemctl", "disable", unit], timeout=60)
                 disabled.append(unit)
-    removed = _remove(run, name, access.docker.list_containers(config.autostart.containers))
+    old = access.docker.list_containers(config.autostart.containers)
     ours = access.docker.list_containers(
         labels={LABEL_MANAGED: PROJECT, LABEL_CLUSTER: config.name}
     )
-    own = _remove(run, name, ours)
+    _remove(run, name, {c.name: c for c in [*old, *ours]}.values())
+    removed = [c.name for c in old]
+    own = [c.name for c in ours if c.name not in removed]
     report = StopReport(name, tuple(stopped), tuple(disabled), tuple(removed), tuple(own))
     log().info(report.summary())
     return report
 
 
-def _remove(run: Run, name: str, containers: list) -> list[str]:  # type: ignore[type-arg]
+def _remove(run: Run, name: str, containers: Iterable[ContainerInfo]) -> None:
+    containers = list(containers)
     docker = run.node(name).docker
+    # Restart policies first, so nothing brings one back between our calls; then force-remove,
+    # as the runbook does: they are being replaced, and a graceful stop costs up to 10 s each.
     for container in containers:
-        # Restart policy first, so nothing brings it back between our calls; then force-remove,
-        # as the runbook does: it is being replaced, and a graceful stop costs up to 10 s each.
         if container.restart_policy != "no":
             docker.set_restart_policy(container.name, "no")
-        docker.remove(container.name)
-    return [c.name for c in containers]
+    docker.remove_all([c.name for c in containers])

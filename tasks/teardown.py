@@ -19,8 +19,7 @@ def teardown_group(run: Run) -> dict[str, list[str]]:
     def remove(node) -> list[str]:  # type: ignore[no-untyped-def]
         docker = run.node(node.name).docker
         found = docker.list_containers(labels=labels)
-        for container in found:
-            docker.remove(container.name)
+        docker.remove_all([c.name for c in found])
         return [c.name for c in found]
 
     removed: dict[str, list[str]] = {}

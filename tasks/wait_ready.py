@@ -17,14 +17,16 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.context import Run, StepFailed, log
 from vllm_redeploy.endpoint import api_base, engine_version, list_models
+from vllm_redeploy.nodes import RemoteError, fan_out
 from vllm_redeploy.parsers.vllm_log import LoadProgress, last_load_progress
-from vllm_redeploy.plan import engine_container
+from vllm_redeploy.plan import engine_container, ray_container
 from vllm_redeploy.summary import StepEvent, report
 
 STEP = "wait-ready"
 POLL_S = 0.25  # readiness is noticed within this, plus one request
 PROGRESS_EVERY_S = 5.0
 LOG_TAIL_LINES = 30
+GROUP_CHECK_S = 2.0  # how often the Ray containers of every node are looked at
 HTTP_TIMEOUT = httpx.Timeout(2.0, connect=1.0)
 
 
@@ -51,6 +53,7 @@ def wait_until_ready(run: Run) -> Ready:
     last_progress = 0.0
     last_load: LoadProgress | None = None
     last_report = started
+    next_group_check = started + GROUP_CHECK_S
     listed: list[str] | None = None
     with httpx.Client(timeout=HTTP_TIMEOUT) as client:
         while True:
@@ -67,13 +70,28 @@ def wait_until_ready(run: Run) -> Ready:
             if info is None or not info.running:
                 tail = docker.logs_tail(name, LOG_TAIL_LINES).strip() if info else ""
                 oom = " (killed: out of memory)" if info and info.oom_killed else ""
+                if info and info.exit_code == 137 and not oom:
+                    oom = " (killed by SIGKILL: usually the kernel's out-of-memory killer)"
                 code = info.exit_code if info else "gone"
+                stopped = _stopped_ray(run)
                 raise StepFailed(
                     STEP,
-                    f"the vLLM engine on {config.head.name} exited with code {code}{oom} "
+                    (f"{stopped[0]}; then " if stopped else "")
+                    + f"the vLLM engine on {config.head.name} exited with code {code}{oom} "
                     f"after {time.monotonic() - started:.1f} s. Last log lines:\n{tail}",
                 )
             now = time.monotonic()
+            if now >= next_group_check:
+                next_group_check = now + GROUP_CHECK_S
+                stopped = _stopped_ray(run)
+                if stopped:
+                    raise StepFailed(
+                        STEP,
+                        f"{stopped[0]}, {now - started:.1f} s into the load; the model cannot "
+                        "be served without every node. Check that node (its Docker engine may "
+                        "have restarted, or the node rebooted); the next run starts the whole "
+                        f"group again. Last Ray log lines there:\n{stopped[1]}",
+                    )
             if now - last_report >= PROGRESS_EVERY_S:
                 last_report = now
                 progress = last_load_progress(docker.logs_tail(name, 20))
@@ -97,3 +115,22 @@ def wait_until_ready(run: Run) -> Ready:
                     f"Last log lines:\n{tail}",
                 )
             time.sleep(POLL_S)
+
+
+def _stopped_ray(run: Run) -> tuple[str, str] | None:
+    """The first node whose Ray container no longer runs: what happened, in words, and its last
+    log lines. A node that cannot be inspected now is skipped (the engine's exit will tell)."""
+    name = ray_container(run.config)
+    outcomes = fan_out(run.config.nodes, lambda n: run.node(n.name).docker.get(name))
+    for outcome in outcomes:
+        info = outcome.value
+        if outcome.error is not None or (info is not None and info.running):
+            continue
+        if info is None:
+            return f"the Ray container on {outcome.node} is gone", "(none: it was removed)"
+        try:
+            tail = run.node(outcome.node).docker.logs_tail(name, LOG_TAIL_LINES // 3).strip()
+        except RemoteError as exc:
+            tail = f"(unreadable: {exc})"
+        return f"the Ray container on {outcome.node} exited with code {info.exit_code}", tail
+    return None

@@ -6,6 +6,7 @@ state make their own containers and clean them up.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -111,7 +112,19 @@ def prefect_server(workdir: Path) -> Iterator[str]:
         wait_until(lambda: _healthy(f"{url}/health"), 90, "prefect server", log)
         yield url
     finally:
+        _drain_prefect_workers()
         stop(proc, grace=15)
+
+
+def _drain_prefect_workers() -> None:
+    """Send queued logs and events while the server still answers: left for the exit, each
+    batch is retried with backoff against a stopped server (about a minute)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        with contextlib.suppress(Exception):
+            worker.drain_all(timeout=15)
 
 
 def _healthy(url: str) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +16,6 @@ from tests.testbed import image
 from tests.testbed.bed import SERVED_NAME, TestBed
 from vllm_redeploy.cli import app
 from vllm_redeploy.config import load_config
-from vllm_redeploy.nodes import NodeAccess
 from vllm_redeploy.plan import engine_container, ray_container
 from vllm_redeploy.probe import run_probe
 
@@ -107,20 +105,6 @@ def test_run_command_ensure_reports_and_exits_0(flow_bed: TestBed) -> None:
     assert "bed: already healthy: nothing changed" in result.output
 
 
-def test_ensure_after_a_worker_dies_redeploys_the_group(flow_bed: TestBed) -> None:
-    config = load_config(flow_bed.root / "run.toml", env_file=None)
-    with NodeAccess(config.nodes[1], config) as worker:
-        worker.docker.remove(ray_container(config))
-    before = containers(flow_bed)
-    state = run_flow(flow_bed, "ensure")
-    assert state.is_completed(), failure(state)
-    assert "redeploying: the Ray container on node-2 is not running" in state.result()["notes"]
-    after = containers(flow_bed)
-    assert after["node-1"][engine_container(config)] != before["node-1"][engine_container(config)]
-    assert ray_container(config) in after["node-2"]
-    assert served(flow_bed)
-
-
 def test_probe_command_on_the_served_model(flow_bed: TestBed) -> None:
     result = CliRunner().invoke(
         app, ["probe", "--config", str(flow_bed.root / "run.toml"), "--json"]
@@ -151,59 +135,6 @@ def test_dry_run_prints_the_plan_and_touches_nothing(flow_bed: TestBed) -> None:
     assert "--node-ip-address=127.0.0.32" in result.output
     assert "vllm serve" in result.output and "--reasoning-parser qwen3" in result.output
     assert containers(flow_bed) == before
-
-
-def test_a_process_holding_a_gpu_fails_naming_it(flow_bed: TestBed) -> None:
-    holder = flow_bed.node("node-2").hold_gpu(20998, "python3")
-    try:
-        message = failure(run_flow(flow_bed, deadlines={"gpu_release_s": 2}))
-        cli = CliRunner().invoke(app, ["run", "-c", str(flow_bed.root / "run.toml")])
-    finally:
-        holder.kill()
-        holder.wait()
-    assert "gpus-clear" in message and "node-2" in message
-    assert f"PID {holder.pid} (python3) holds 20998 MiB" in message
-    assert cli.exit_code == 1 and "failed at gpus-clear" in cli.output
-
-
-def test_a_fabric_ip_the_node_does_not_own_fails_preflight(flow_bed: TestBed) -> None:
-    # 198.51.100.7 (TEST-NET-2) is not assigned here; `ip route get` sends nothing.
-    message = failure(run_flow(flow_bed, nodes={"node-2": {"fabric_ip": "198.51.100.7"}}))
-    assert (
-        "preflight" in message and "node-2: the fabric IP 198.51.100.7 is not assigned" in message
-    )
-
-
-def test_engine_killed_while_loading_fails_at_once_with_its_log(flow_bed: TestBed) -> None:
-    started = time.monotonic()
-    state = run_flow(
-        flow_bed, vllm={"env": {"VRD_FAULT": "crash_during_load", "VRD_LOAD_SECONDS": "2"}}
-    )
-    message = failure(state)
-    assert time.monotonic() - started < 90  # far from the 120 s load deadline
-    assert "wait-ready" in message and "exited with code 137" in message
-    assert "CUDA out of memory" in message
-    config = load_config(flow_bed.root / "run.toml", env_file=None)
-    after = containers(flow_bed)
-    assert ray_container(config) not in after["node-2"]  # no half-started group left
-    assert engine_container(config) not in after["node-1"] and "canary" in after["node-1"]
-
-
-def test_an_engine_that_never_serves_fails_at_the_deadline(flow_bed: TestBed) -> None:
-    state = run_flow(flow_bed, vllm={"env": {"VRD_FAULT": "hang"}}, deadlines={"model_load_s": 6})
-    message = failure(state)
-    assert "was not served" in message and "within 6 s" in message
-    assert "Loading safetensors checkpoint shards" in message
-
-
-def test_a_server_naming_another_model_is_not_ready(flow_bed: TestBed) -> None:
-    state = run_flow(
-        flow_bed,
-        vllm={"env": {"VRD_FAULT": "wrong_name:some-other-model"}},
-        deadlines={"model_load_s": 8},
-    )
-    message = failure(state)
-    assert "the server lists ['some-other-model'] instead" in message
 
 
 def test_an_empty_answer_fails_the_probe(flow_bed: TestBed) -> None:

@@ -45,7 +45,7 @@ STEPS = {
     "preflight": 1.52,
     "stop-autostart": 3.1,
     "gpus-clear": 0.4,
-    "ray-head": 4.2,
+    "ray-head": 3.2,
     "join-workers": 1.0,
     "cluster-check": 2.5,
     "launch-vllm": 0.8,
@@ -93,7 +93,7 @@ def test_summary_of_a_redeploy_with_a_reasoning_only_probe() -> None:
     assert lines[0] == "# spark-pair: redeployed"
     assert "| step | seconds |" in lines
     assert "| preflight | 1.52 |" in lines and "| wait-ready | 912.35 |" in lines
-    assert "Mode `redeploy`, 9 steps in 929.77 s." in lines
+    assert "Mode `redeploy`, 9 steps in 928.77 s." in lines
     # per node: what was stopped and removed, and the GPU state
     assert (
         "| spark-a | glm-server.service | glm-server, glm-proxy | clear (1 GPU, 0 MiB used) |"

@@ -23,12 +23,12 @@ from vllm_redeploy.nodes import NodeAccess, RemoteError, fan_out
 from vllm_redeploy.nodes.docker import LABEL_CLUSTER, LABEL_MANAGED, LABEL_ROLE
 from vllm_redeploy.plan import (
     ENGINE_ROLE,
-    RAY_MEMBERS_SCRIPT,
     RayMember,
     engine_container,
     membership_problems,
     parse_members,
     ray_container,
+    ray_members_argv,
 )
 from vllm_redeploy.probe import ProbeVerdict, run_probe
 
@@ -208,7 +208,7 @@ def _ray(access: NodeAccess, config: ClusterConfig, containers: list[ContainerSt
         return RayStatus()  # no head, no membership to ask for; the container check says so
     try:
         result = access.docker.exec_runner(name).run(
-            ["python3", "-c", RAY_MEMBERS_SCRIPT], timeout=RAY_TIMEOUT_S, check=False
+            ray_members_argv(config), timeout=RAY_TIMEOUT_S, check=False
         )
     except RemoteError as exc:
         return RayStatus(problems=[f"Ray membership unknown: {exc}"])

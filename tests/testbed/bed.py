@@ -23,6 +23,7 @@ DEFAULT_ROOT = Path("/tmp/vrd-bed")
 FIRST_IP = 11  # node-1 is 127.0.0.11, node-2 127.0.0.12, ...
 MAX_NODES = 8
 SERVED_NAME = "Qwen3.5-122B-A10B-FP8"
+API_PORT = 30000  # vLLM's port in the config the bed writes, and the old stack's
 GPU_TOTAL_MIB = {"h200": 143771, "gb10": 124610}
 
 
@@ -129,9 +130,10 @@ class TestBed:
         """What the user's boxes run after a reboot: a previous model's stack that auto-starts,
         from a systemd unit (glm-server) and a restart policy (glm-proxy), on every node."""
         for node in self.nodes:
-            node.define_unit(
-                "glm-server.service", "glm-server", image.OLD_STACK_IMAGE, ["sleep", "999999"]
-            )
+            # On the head the old server holds the API port, as the previous model's did.
+            serve = ["busybox", "httpd", "-f", "-p", f"{node.ip}:{API_PORT}"]
+            command = serve if node is self.nodes[0] else ["sleep", "999999"]
+            node.define_unit("glm-server.service", "glm-server", image.OLD_STACK_IMAGE, command)
             node.systemctl("start", "glm-server.service")
             with contextlib.closing(node.engine.client()) as client:
                 client.containers.run(
@@ -191,7 +193,7 @@ class TestBed:
                 "image": image.BED_IMAGE,
                 "model": str(self.model_dir),
                 "served_model_name": SERVED_NAME,
-                "port": 30000,
+                "port": API_PORT,
                 "host": self.nodes[0].ip,  # beds at other addresses can serve side by side
                 "tensor_parallel_size": len(self.nodes),
                 "reasoning_parser": "qwen3",

@@ -161,6 +161,30 @@ class EmulatedNode:
         self.power_off()
         self.start(client_key, back)
 
+    def stop_sshd(self) -> None:
+        """sshd goes away (listener and every session); Docker and containers keep running."""
+        self.sshd.stop()
+        self.spec.sshd_pid = 0
+
+    def start_sshd(self) -> None:
+        """sshd back on the same address, port and host key."""
+        self.sshd.start()
+        self.spec.sshd_pid = self.sshd.pid
+
+    def restart_docker(self) -> None:
+        """`systemctl restart docker`: the engine stops its containers (2 s grace) and comes
+        back; containers with a restart policy start again, the others stay exited."""
+        with contextlib.closing(self.engine.client()) as client:
+            back = [
+                c.name
+                for c in client.containers.list()
+                if c.attrs["HostConfig"]["RestartPolicy"]["Name"] in ("always", "unless-stopped")
+            ]
+        self.engine.stop_engine(graceful=True)
+        self.engine.start()
+        self.spec.dockerd_pid = self.engine.pid
+        wait_until(lambda: set(back) <= self._running(), 30, f"{self.name}: {back} after a restart")
+
     def _running(self) -> set[str]:
         with contextlib.closing(self.engine.client()) as client:
             return {c.name for c in client.containers.list()}

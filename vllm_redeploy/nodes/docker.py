@@ -11,6 +11,7 @@ import contextlib
 import fnmatch
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -232,6 +233,15 @@ class NodeDocker:
             f"remove {name}",
             lambda: _ignore_missing(lambda: self._client.api.remove_container(name, force=True)),
         )
+
+    def remove_all(self, names: Sequence[str]) -> None:
+        """Force-remove several containers at once: each removal waits for its processes."""
+        if len(names) <= 1:
+            for name in names:
+                self.remove(name)
+            return
+        with ThreadPoolExecutor(max_workers=len(names), thread_name_prefix="remove") as pool:
+            list(pool.map(self.remove, names))
 
     def run_detached(self, spec: ContainerSpec) -> str:
         """Create and start ``spec``; return the container ID. Not retried: it is not idempotent."""

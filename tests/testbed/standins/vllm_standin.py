@@ -13,7 +13,8 @@ on its own node through :mod:`gpu_state`; if one dies, ``/health`` turns 503 and
 
 Test-bed knobs (environment):
 
-- ``VRD_VLLM_VERSION`` (0.19.0), ``VRD_LOAD_SECONDS`` (2), ``VRD_SHARDS`` (4),
+- ``VRD_VLLM_VERSION`` (0.19.0), ``VRD_LOAD_SECONDS`` (2: from the process's start to serving,
+  as an operator times `vllm serve`; joining Ray comes out of it), ``VRD_SHARDS`` (4),
   ``VRD_GPU_STATE`` (per node; unset: hold nothing), ``VRD_GPU_TOTAL_MIB`` (143771),
   ``VRD_REASONING_FIELD`` = reasoning | reasoning_content | both,
   ``VRD_PG_LOG_INTERVAL`` (10 s, doubling like vLLM), ``VRD_PG_WAIT_TIMEOUT`` (1800 s, vLLM's),
@@ -44,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from tests.testbed.standins import gpu_state
+
+PROCESS_STARTED = time.monotonic()
 
 DEFAULT_VERSION = "0.19.0"
 DEFAULT_MAX_MODEL_LEN = 262144
@@ -688,19 +691,21 @@ def _ship_code_by_value() -> None:
 
 
 def load_weights(engine: Engine) -> None:
-    """Log the safetensors bar over VRD_LOAD_SECONDS; faults strike at half the shards."""
+    """Log the safetensors bar over what is left of VRD_LOAD_SECONDS; faults strike at half
+    the shards."""
     knobs, log = engine.knobs, engine.log
     total = knobs.shards
     log.engine(
         "INFO", "gpu_model_runner.py:2602", f"Starting to load model {engine.config.model}..."
     )
     started = time.monotonic()
+    remaining = max(knobs.load_seconds - (started - PROCESS_STARTED), 0.0)
     for done in range(total + 1):
         log.write(tqdm_line(done, total, time.monotonic() - started), sys.stderr)
         if done == total // 2:
             strike_load_fault(engine)
         if done < total:
-            _sleep_unless_dead(engine, knobs.load_seconds / total)
+            _sleep_unless_dead(engine, remaining / total)
     took = time.monotonic() - started
     log.engine("INFO", "default_loader.py:267", f"Loading weights took {took:.2f} seconds")
     weights_gib = 0.6 * engine.config.gpu_util * knobs.gpu_total_mib / 1024

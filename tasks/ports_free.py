@@ -1,0 +1,73 @@
+"""Step 2b, ports free: once the old stack is stopped, nothing listens on the head's API and Ray
+ports. Not a preflight check: the stack being replaced usually holds these very ports."""
+
+from __future__ import annotations
+
+import re
+import time
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.context import RETRY_TRANSIENT, Run, StepFailed, log
+
+STEP = "ports-free"
+RECHECK_S = 0.5
+
+
+# Not cached: the answer is only true now.
+@task(name="ports-free", cache_policy=NO_CACHE, **RETRY_TRANSIENT)
+def wait_ports_free(run: Run) -> None:
+    """Wait (as long as GPUs get to be released) until the head's ports are free."""
+    grace = run.config.deadlines.gpu_release_s
+    deadline = time.monotonic() + grace
+    while True:
+        busy = busy_ports(run)
+        if not busy:
+            return
+        if time.monotonic() >= deadline:
+            head = run.config.head.name
+            raise StepFailed(
+                STEP,
+                "; ".join(f"{head}: the {b}" for b in busy)
+                + f" (still, {grace:g} s after the autostart stack was stopped); stop it, add "
+                "its container or unit to [autostart], or change the port in the configuration",
+            )
+        log().info("waiting for the head's ports: %s", "; ".join(busy))
+        time.sleep(RECHECK_S)
+
+
+def busy_ports(run: Run) -> list[str]:
+    """The head's API and Ray ports that something listens on, with its owner where visible."""
+    config = run.config
+    ports = {config.vllm.port: "API port", config.ray.port: "Ray port"}
+    query = " or ".join(f"sport = :{port}" for port in ports)
+    result = run.head.runner.run(["ss", "-Hltnp", f"( {query} )"], check=False)
+    if not result.ok:
+        return []
+    busy = []
+    for port, label in ports.items():
+        lines = [x for x in result.stdout.splitlines() if _listens(x, config.head.ip, port)]
+        if lines:
+            busy.append(f"{label} {port} is in use by a process that is not ours{_owners(lines)}")
+    return busy
+
+
+def _listens(ss_line: str, ip: str, port: int) -> bool:
+    """Does this `ss -Hltn` line listen on ``port`` at this IP or a wildcard address?"""
+    fields = ss_line.split()
+    if len(fields) < 4:
+        return False
+    address, _, listen_port = fields[3].rpartition(":")
+    wildcard = ("0.0.0.0", "*", "::")  # noqa: S104 - comparing, not binding
+    return listen_port == str(port) and address.strip("[]") in (ip, *wildcard)
+
+
+def _owners(ss_lines: list[str]) -> str:
+    """Who listens, where `ss -p` may show it (root sees every process): ', python3 (PID 7)'."""
+    found = dict.fromkeys(
+        f"{name} (PID {pid})"
+        for line in ss_lines
+        for name, pid in re.findall(r'\("([^"]*)",pid=(\d+)', line)
+    )
+    return f", {', '.join(found)}" if found else ""
