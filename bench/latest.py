@@ -1,0 +1,244 @@
+"""bench/results/latest.md: each figure's median, its target and whether it is met, the method."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from bench import figures as f
+from bench.figures import Bench, Extras, PerNodes, median
+
+
+def num(value: float | None, digits: int = 1) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def verdict(ok: bool | None, detail: str = "") -> str:
+    if ok is None:
+        return "n/a"
+    word = "**yes**" if ok else "**no**"
+    return f"{word} ({detail})" if detail else word
+
+
+def _all_below(
+    bench: Bench, read: Callable[[PerNodes], float | None], limit: float, digits: int = 2
+) -> str:
+    values = {n: read(p) for n, p in bench.per_nodes.items()}
+    known = {n: v for n, v in values.items() if v is not None}
+    if not known:
+        return verdict(None)
+    worst = max(known, key=lambda n: known[n])
+    return verdict(known[worst] < limit, f"worst N={worst}: {known[worst]:.{digits}f}")
+
+
+def flow_table(bench: Bench) -> list[str]:
+    ns = sorted(bench.per_nodes)
+    small = bench.smallest
+    rows: list[tuple[str, Callable[[PerNodes], str], str, str]] = [
+        ("flow wall, s", lambda p: num(p.wall_s), "", ""),
+        (
+            "overhead = wall − stand-in load, s",
+            lambda p: num(p.overhead_s),
+            f"N={max(ns)} ≤ {f.SCALING_MAX:g} × N={min(ns)}",
+            verdict(
+                None if bench.scaling is None else bench.scaling <= f.SCALING_MAX,
+                f"{bench.scaling:.2f}×" if bench.scaling is not None else "",
+            ),
+        ),
+        ("Prefect bookkeeping (no-op mirror flow), s", lambda p: num(p.bookkeeping_s), "", ""),
+        (
+            "overhead beyond bookkeeping, s",
+            lambda p: num(p.beyond_bookkeeping_s),
+            f"N={min(ns)} < {f.BEYOND_BOOKKEEPING_MAX_S:g}",
+            verdict(
+                None
+                if small.beyond_bookkeeping_s is None
+                else small.beyond_bookkeeping_s < f.BEYOND_BOOKKEEPING_MAX_S
+            ),
+        ),
+        ("flow run time outside any task run, s", lambda p: num(p.outside_tasks_s), "", ""),
+        (
+            "readiness lag (serving → wait-ready done), s",
+            lambda p: num(p.ready_lag_s, 2),
+            f"< {f.READY_LAG_MAX_S:g}",
+            _all_below(bench, lambda p: p.ready_lag_s, f.READY_LAG_MAX_S),
+        ),
+        (
+            "crash lag (engine killed → flow run Failed), s",
+            lambda p: num(p.crash_lag_s, 2),
+            f"< {f.CRASH_LAG_MAX_S:g}",
+            _all_below(bench, lambda p: p.crash_lag_s, f.CRASH_LAG_MAX_S),
+        ),
+        (
+            "crash noticed (engine killed → wait-ready failed), s",
+            lambda p: num(p.crash_noticed_s, 2),
+            "",
+            "",
+        ),
+        (
+            "`ensure` on a healthy cluster, s",
+            lambda p: num(p.ensure_s),
+            f"< {f.ENSURE_MAX_S:g}",
+            _all_below(bench, lambda p: p.ensure_s, f.ENSURE_MAX_S, 1),
+        ),
+        (
+            "`ensure`: containers restarted (max)",
+            lambda p: "–" if p.ensure_restarts is None else str(p.ensure_restarts),
+            "0",
+            _all_below(bench, lambda p: p.ensure_restarts, 1, 0),
+        ),
+    ]
+    head = "| figure | " + " | ".join(f"N={n}" for n in ns) + " | target | met |"
+    lines = [head, "|" + " --- |" * (len(ns) + 3)]
+    for label, cell, target, met in rows:
+        cells = " | ".join(cell(bench.per_nodes[n]) for n in ns)
+        lines.append(f"| {label} | {cells} | {target} | {met} |")
+    return lines
+
+
+def extras_table(bench: Bench, extras: Extras) -> list[str]:
+    load = bench.load_s
+    temporary, server = median(extras.run_temporary_s), median(extras.run_server_s)
+    cost = temporary - server if temporary is not None and server is not None else None
+    rows = [
+        ("signed webhook call → flow run Running (delay 0), s", median(extras.webhook_s)),
+        ("`vllm-redeploy probe`, fresh process, s", median(extras.probe_cold_s)),
+        ("`vllm-redeploy run`, fresh process, temporary API: wall, s", temporary),
+        ("… minus the stand-in load, s", None if temporary is None else temporary - load),
+        ("`vllm-redeploy run`, fresh process, real server: wall, s", server),
+        ("… minus the stand-in load, s", None if server is None else server - load),
+        ("the temporary API's cost (difference), s", cost),
+    ]
+    lines = ["| figure | median | runs |", "| --- | --- | --- |"]
+    counts = [
+        len(extras.webhook_s),
+        len(extras.probe_cold_s),
+        len(extras.run_temporary_s),
+        len(extras.run_temporary_s),
+        len(extras.run_server_s),
+        len(extras.run_server_s),
+        min(len(extras.run_temporary_s), len(extras.run_server_s)),
+    ]
+    for (label, value), count in zip(rows, counts, strict=True):
+        lines.append(f"| {label} | {num(value)} | {count} |")
+    return lines
+
+
+def reference_table(bench: Bench, extras: Extras) -> list[str]:
+    flow = bench.per_nodes[extras.nodes]
+    polls = sorted(extras.references)
+    refs = {p: extras.reference(p) for p in polls}
+    head = "| figure | flow | " + " | ".join(f"reference, poll {p:g} s" for p in polls) + " |"
+    lines = [head, "|" + " --- |" * (len(polls) + 2)]
+    for label, key, mine in (
+        ("total wall (first step → probe answered), s", "wall_s", flow.wall_s),
+        ("wall − stand-in load, s", "overhead_s", flow.overhead_s),
+        ("readiness lag (serving → noticed), s", "ready_lag_s", flow.ready_lag_s),
+    ):
+        cells = " | ".join(num(refs[p][key], 2 if key == "ready_lag_s" else 1) for p in polls)
+        lines.append(f"| {label} | {num(mine, 2 if key == 'ready_lag_s' else 1)} | {cells} |")
+    beat = refs.get(f.REFERENCE_POLL_TO_BEAT_S, {}).get("wall_s")
+    ok = None if beat is None or flow.wall_s is None else flow.wall_s < beat
+    lines += [
+        "",
+        f"Target: the flow's total below the reference's with {f.REFERENCE_POLL_TO_BEAT_S:g} s "
+        f"polling: {verdict(ok, '' if beat is None else f'{num(flow.wall_s)} vs {num(beat)} s')}.",
+    ]
+    return lines
+
+
+def steps_table(bench: Bench) -> list[str]:
+    ns = sorted(bench.per_nodes)
+    per_n = {n: bench.per_nodes[n].step_s() for n in ns}
+    extras = bench.extras
+    polls = sorted(extras.references) if extras else []
+    refs = {p: extras.reference_step_s(p) for p in polls} if extras else {}
+    names: list[str] = []
+    for table in [*per_n.values(), *refs.values()]:
+        names += [name for name in table if name not in names]
+    head = "| step | " + " | ".join(f"flow N={n}" for n in ns)
+    head += "".join(f" | reference N={extras.nodes}, poll {p:g}" for p in polls) if extras else ""
+    lines = [head + " |", "|" + " --- |" * (len(ns) + len(polls) + 1)]
+    for name in names:
+        found = [per_n[n].get(name) for n in ns] + [refs[p].get(name) for p in polls]
+        cells = [num(value, 2) for value in found]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def method(bench: Bench) -> list[str]:
+    return [
+        "## How each figure is measured",
+        "",
+        "- One real `prefect server start` (SQLite) serves every run; its start is not counted. "
+        "Flows run in the benchmark's process against it. Each node count gets its own test bed "
+        "(sshd, Docker engine, real Ray per node; vLLM and nvidia-smi stand-ins).",
+        f"- **overhead**: wall time of the flow call (redeploy, from the old autostart stack or "
+        f"the previous run's containers) minus the stand-in's configured load time "
+        f"(`VRD_LOAD_SECONDS={bench.load_s:g}`: from the engine process's start to serving, "
+        "as an operator times `vllm serve`).",
+        "- **Prefect bookkeeping**: a no-op flow mirroring the measured redeploy's task runs "
+        "(same names, same order, each group of same-step runs submitted together and waited "
+        "for, then one markdown artifact and one event, as the flow's ending does), timed the same "
+        "way against the same server. It is what Prefect costs for this shape of flow with nothing "
+        "inside the tasks; **overhead beyond bookkeeping** is the overhead minus it.",
+        "- **time outside any task run**: the flow run's server-side duration minus the union of "
+        "its task runs' intervals (flow body plus Prefect's bookkeeping between tasks).",
+        "- **readiness lag**: the stand-in's own clock mark when its API starts listening "
+        "(`VRD_EVENT_LOG` event `listening`) to the end time of the `wait-ready` task run as "
+        "recorded by the server.",
+        f"- **crash lag**: `VRD_FAULT=crash_during_load` with a {bench.crash_load_s:g} s load "
+        "(the engine kills itself at half the shards and logs `crashed`) to the timestamp of the "
+        "flow run's Failed state read from the API; it includes diagnostics and tearing the "
+        "group down. *Noticed* is the same start to the `wait-ready` task run's end.",
+        "- **ensure**: right after each successful redeploy, `ensure` with the same "
+        "configuration; wall time, and every container on every node compared before and after "
+        "(ID and StartedAt): created, removed or restarted ones count.",
+        "- **webhook → Running**: `vllm-redeploy serve` with `reboot_delay_s = 0` and a 1 s "
+        "debounce window (waited out between calls), the webhook in-process posting to the same "
+        "server; a signed `POST /reboot` with a new boot id, to the after-reboot flow run's "
+        "`start_time`. It includes the trigger's evaluation and the runner's polling for "
+        "scheduled runs.",
+        "- **cold starts**: `vllm-redeploy probe` as a fresh process against the served bed; "
+        "`vllm-redeploy run` as a fresh process with no `PREFECT_API_URL` (Prefect's temporary "
+        "API; its database exists already, as on a controller that ran Prefect before) and with "
+        "the real server; their difference is the temporary API's cost.",
+        "- **reference**: `bench/reference_runbook.sh` (ssh and the docker CLI; the flow's own "
+        "container specs from `vllm_redeploy/plan.py`) on the same bed with the same stand-in "
+        "settings: stop units and force-remove the old containers, GPUs clear, Ray head, "
+        "workers, `ray status` shows every GPU, `vllm serve`, poll `/v1/models` every POLL_S s, "
+        "one curl chat request. Its wall runs from its first step to the answer (the helper that "
+        "reads the configuration is not counted).",
+        "- **steps**: per step, median over runs of first start to last end of its task runs; "
+        "`(flow)` rows are the gaps before the first and after the last task run; "
+        "`(stand-in)` is the engine container's start to its first weight-loading log line "
+        "(part of the configured load). The reference's steps run from one mark to the next.",
+    ]
+
+
+def render(bench: Bench) -> list[str]:
+    ns = ", ".join(str(n) for n in sorted(bench.per_nodes))
+    lines = [
+        "# vllm-redeploy on the test bed: overhead, lags, triggers",
+        "",
+        f"Median of {bench.runs} run(s) per figure; nodes {ns}; stand-in load "
+        f"{bench.load_s:g} s. Charts: `latest-timeline.png` (one run's steps per node), "
+        "`latest-overhead.png` (overhead per node count).",
+        "",
+        "## The flow",
+        "",
+        *flow_table(bench),
+    ]
+    if bench.extras is not None:
+        lines += [
+            "",
+            f"## Triggers and cold starts (N={bench.extras.nodes})",
+            "",
+            *extras_table(bench, bench.extras),
+            "",
+            f"## The flow and the reference runbook side by side (N={bench.extras.nodes}, same "
+            "bed, same benchmark run)",
+            "",
+            *reference_table(bench, bench.extras),
+        ]
+    lines += ["", "## Steps (median seconds)", "", *steps_table(bench), "", *method(bench)]
+    return lines

@@ -1,0 +1,92 @@
+"""Print, as bash variables, what bench/reference_runbook.sh needs from a cluster.toml.
+
+    .venv/bin/python -m bench.runbook_args cluster.toml
+
+The containers are the flow's own (vllm_redeploy/plan.py: same image, command, environment,
+mounts and names), written as `docker run` command lines, so the reference script launches
+exactly what the flow launches and the two can be timed on the same bed.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+from vllm_redeploy.config import ClusterConfig, load_config
+from vllm_redeploy.endpoint import api_base
+from vllm_redeploy.nodes.docker import ContainerSpec
+from vllm_redeploy.plan import engine_container, engine_spec, ray_container, ray_spec
+
+
+def docker_run(spec: ContainerSpec) -> str:
+    """``spec`` as the `docker run` line the flow's Docker SDK call amounts to."""
+    if spec.entrypoint is not None:
+        raise ValueError(f"{spec.name}: an entrypoint list has no docker CLI equivalent here")
+    argv = ["docker", "run", "-d", "--name", spec.name, "--network", "host", "--ipc", "host"]
+    argv += ["--restart", "no"]
+    if spec.pid_mode:
+        argv += ["--pid", spec.pid_mode]
+    if spec.shm_size:
+        argv += ["--shm-size", spec.shm_size]
+    if spec.gpus is not None:
+        argv += ["--gpus", "all" if spec.gpus < 0 else str(spec.gpus)]
+    for key, value in spec.env.items():
+        argv += ["-e", f"{key}={value}"]
+    for volume in spec.volumes:
+        argv += ["-v", volume]
+    for key, value in spec.labels.items():
+        argv += ["--label", f"{key}={value}"]
+    return shlex.join([*argv, spec.image, *spec.command])
+
+
+def stale_regex(config: ClusterConfig) -> str:
+    """One extended regex for the autostart containers' globs and our own earlier containers."""
+    globs = [*config.autostart.containers, ray_container(config), engine_container(config)]
+    return "^(" + "|".join(glob_to_ere(g) for g in globs) + ")$"
+
+
+def glob_to_ere(glob: str) -> str:
+    """A container-name glob (letters, digits, ``_.-``, ``*?[]``) as a POSIX extended regex."""
+    return glob.replace(".", "\\.").replace("*", ".*").replace("?", ".").replace("[!", "[^")
+
+
+def variables(config: ClusterConfig) -> dict[str, str | list[str]]:
+    ssh = config.ssh
+    nodes = config.nodes
+    head = nodes.index(config.head)
+    return {
+        "SSH_KEY": str(ssh.key_file.expanduser()) if ssh.key_file else "",
+        "KNOWN_HOSTS": str(ssh.known_hosts.expanduser()),
+        "NODES": [f"{n.ssh_user or ssh.user or 'root'}@{n.address}" for n in nodes],
+        "PORTS": [str(n.ssh_port) for n in nodes],
+        "HEAD": str(head),
+        "UNITS": " ".join(config.autostart.units),
+        "STALE": stale_regex(config),
+        "RAY_RUN": [docker_run(ray_spec(n, config)) for n in nodes],
+        "RAY_CONTAINER": ray_container(config),
+        "RAY_ADDRESS": f"{config.head.ip}:{config.ray.port}",
+        "GPUS": str(sum(n.gpus for n in nodes)),
+        "ENGINE_RUN": docker_run(engine_spec(config)),
+        "API": api_base(config),
+        "MODEL": config.vllm.served_name,
+    }
+
+
+def as_bash(values: dict[str, str | list[str]]) -> str:
+    lines = []
+    for name, value in values.items():
+        if isinstance(value, list):
+            lines.append(f"{name}=({' '.join(shlex.quote(v) for v in value)})")
+        else:
+            lines.append(f"{name}={shlex.quote(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m bench.runbook_args CLUSTER_TOML")
+    sys.stdout.write(as_bash(variables(load_config(sys.argv[1], env_file=None))))
+
+
+if __name__ == "__main__":
+    main()
