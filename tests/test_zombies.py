@@ -3,6 +3,7 @@ the session's real Prefect server."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 
@@ -24,6 +25,8 @@ def _never_run() -> None:
 
 
 def test_serve_installs_the_automation_once(prefect_api: str) -> None:
+    with contextlib.suppress(ValueError):  # `serve` in another test may have installed it
+        Automation.read(name=AUTOMATION_NAME).delete()
     created = [ensure_zombie_automation(), ensure_zombie_automation()]
     assert created == [True, False]
     automation = Automation.read(name=AUTOMATION_NAME)
