@@ -503,7 +503,9 @@ def test_docker_engine_restarted_during_load(fault_bed: TestBed, row: Row) -> No
     took = outcome.detected_after(restarted[0])
     assert took < 25  # long before the load would have ended
     assert ours(fault_bed.node(HEAD), running_only=False) == []  # the group was torn down
-    assert ours(worker, running_only=False) == []
+    # On the worker nothing of ours runs; its exited Ray container stays when its Docker was
+    # still restarting at teardown (the next run removes it by label).
+    assert ours(worker) == []
     row.outcome = f"Failed: {first_line(message)}"
     row.detect = f"{took:.1f} s after the restart began"
 

@@ -282,7 +282,8 @@ def served(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     _wait_gpus_free(cluster)
     launch = Launcher(tmp_path_factory.mktemp("tp2"))
     try:
-        standin = launch.start(*ray_flags(), tp=2, env=ray_env(cluster, VRD_LOAD_SECONDS="1.5"))
+        # The load counts from the process's start: leave time to load after joining Ray.
+        standin = launch.start(*ray_flags(), tp=2, env=ray_env(cluster, VRD_LOAD_SECONDS="6"))
         standin.wait_for("Loading safetensors checkpoint shards:   0% Completed", 60)
         refused = standin.refuses_connections()
         standin.wait_serving()
