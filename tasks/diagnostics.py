@@ -9,9 +9,8 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import Run
-from vllm_redeploy import PROJECT
 from vllm_redeploy.nodes import NodeAccess, RemoteError, fan_out
-from vllm_redeploy.nodes.docker import LABEL_CLUSTER, LABEL_MANAGED
+from vllm_redeploy.nodes.docker import cluster_labels
 from vllm_redeploy.nodes.result import MASK
 from vllm_redeploy.parsers.nvidia_smi import COMPUTE_APPS_ARGV
 from vllm_redeploy.plan import ray_container
@@ -35,7 +34,7 @@ def _node_section(run: Run, name: str) -> str:
 
 
 def _containers(run: Run, access: NodeAccess) -> str:
-    labels = {LABEL_MANAGED: PROJECT, LABEL_CLUSTER: run.config.name}
+    labels = cluster_labels(run.config.name)
     parts = []
     for c in access.docker.list_containers(labels=labels):
         code = f", exit {c.exit_code}" if c.exit_code is not None else ""

@@ -12,8 +12,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import RETRY_TRANSIENT, Run, log
-from vllm_redeploy import PROJECT
-from vllm_redeploy.nodes.docker import LABEL_CLUSTER, LABEL_MANAGED, ContainerInfo
+from vllm_redeploy.nodes.docker import ContainerInfo, cluster_labels
 
 
 @dataclass(frozen=True)
@@ -57,9 +56,7 @@ def stop_autostart(run: Run, name: str) -> StopReport:
                 access.runner.run(["systemctl", "disable", unit], timeout=60)
                 disabled.append(unit)
     old = access.docker.list_containers(config.autostart.containers)
-    ours = access.docker.list_containers(
-        labels={LABEL_MANAGED: PROJECT, LABEL_CLUSTER: config.name}
-    )
+    ours = access.docker.list_containers(labels=cluster_labels(config.name))
     _remove(run, name, {c.name: c for c in [*old, *ours]}.values())
     removed = [c.name for c in old]
     own = [c.name for c in ours if c.name not in removed]

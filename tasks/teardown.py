@@ -6,15 +6,14 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import Run, log
-from vllm_redeploy import PROJECT
 from vllm_redeploy.nodes import fan_out
-from vllm_redeploy.nodes.docker import LABEL_CLUSTER, LABEL_MANAGED
+from vllm_redeploy.nodes.docker import cluster_labels
 
 
 @task(name="teardown", cache_policy=NO_CACHE)
 def teardown_group(run: Run) -> dict[str, list[str]]:
     """Remove our containers everywhere; a node that cannot be reached is reported, not fatal."""
-    labels = {LABEL_MANAGED: PROJECT, LABEL_CLUSTER: run.config.name}
+    labels = cluster_labels(run.config.name)
 
     def remove(node) -> list[str]:  # type: ignore[no-untyped-def]
         docker = run.node(node.name).docker

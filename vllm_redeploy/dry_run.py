@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from vllm_redeploy import PROJECT
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.endpoint import api_base
 from vllm_redeploy.nodes import NodeAccess, RemoteError, fan_out, render_command
-from vllm_redeploy.nodes.docker import LABEL_CLUSTER, LABEL_MANAGED
+from vllm_redeploy.nodes.docker import cluster_labels
 from vllm_redeploy.parsers.nvidia_smi import COMPUTE_APPS_ARGV, GPUS_ARGV
 from vllm_redeploy.plan import engine_spec, ray_spec
 
@@ -16,9 +15,7 @@ def _found(config: ClusterConfig, name: str) -> tuple[list[str], list[str]]:
     node = next(n for n in config.nodes if n.name == name)
     with NodeAccess(node, config) as access:
         old = access.docker.list_containers(config.autostart.containers)
-        ours = access.docker.list_containers(
-            labels={LABEL_MANAGED: PROJECT, LABEL_CLUSTER: config.name}
-        )
+        ours = access.docker.list_containers(labels=cluster_labels(config.name))
     return [f"{c.name} ({c.status})" for c in old], [f"{c.name} ({c.status})" for c in ours]
 
 

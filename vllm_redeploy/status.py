@@ -15,12 +15,11 @@ from typing import Any
 
 import httpx
 
-from vllm_redeploy import PROJECT
 from vllm_redeploy.config import ClusterConfig, NodeConfig
 from vllm_redeploy.endpoint import api_base, engine_version, list_models
 from vllm_redeploy.gpus import inspect_gpus
 from vllm_redeploy.nodes import NodeAccess, RemoteError, fan_out
-from vllm_redeploy.nodes.docker import LABEL_CLUSTER, LABEL_MANAGED, LABEL_ROLE
+from vllm_redeploy.nodes.docker import LABEL_ROLE, cluster_labels
 from vllm_redeploy.plan import (
     ENGINE_ROLE,
     RayMember,
@@ -177,7 +176,7 @@ def _unreachable(node: NodeConfig, config: ClusterConfig, error: str) -> NodeSta
 def _containers(
     access: NodeAccess, node: NodeConfig, config: ClusterConfig
 ) -> list[ContainerStatus]:
-    labels = {LABEL_MANAGED: PROJECT, LABEL_CLUSTER: config.name}
+    labels = cluster_labels(config.name)
     found = access.docker.list_containers(labels=labels)
     now = datetime.now(UTC)
     return [

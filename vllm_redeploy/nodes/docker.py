@@ -55,9 +55,14 @@ class DockerError(RemoteError):
         return (DockerError, (self.node, self.message, self.transient))
 
 
+def cluster_labels(cluster: str) -> dict[str, str]:
+    """The labels that select every container this project made for ``cluster``."""
+    return {LABEL_MANAGED: PROJECT, LABEL_CLUSTER: cluster}
+
+
 def project_labels(cluster: str, role: str) -> dict[str, str]:
     """Labels on every container this project creates, so it can find its own."""
-    return {LABEL_MANAGED: PROJECT, LABEL_CLUSTER: cluster, LABEL_ROLE: role}
+    return {**cluster_labels(cluster), LABEL_ROLE: role}
 
 
 @dataclass(frozen=True)
