@@ -28,6 +28,7 @@ from starlette.requests import ClientDisconnect
 
 from deployments.events import EventSender, reboot_event
 from vllm_redeploy.config import ClusterConfig
+from vllm_redeploy.safe_text import one_line, shown
 
 SIGNATURE_HEADER = "X-Vllm-Redeploy-Signature"
 TIMESTAMP_HEADER = "X-Vllm-Redeploy-Timestamp"
@@ -160,6 +161,7 @@ def create_app(config: ClusterConfig, sender: Sender) -> FastAPI:
         client = request.client.host if request.client else "?"
 
         def refuse(status: int, message: str, headers: dict[str, str] | None = None) -> Any:
+            message = one_line(message)
             log.warning("refused a call from %s: %d %s", client, status, message)
             return _problem(status, message, headers)
 
@@ -192,7 +194,7 @@ def create_app(config: ClusterConfig, sender: Sender) -> FastAPI:
             notice = RebootNotice.model_validate_json(bytes(body))
         except ValidationError as exc:
             error = exc.errors(include_url=False, include_input=False)[0]
-            where = ".".join(str(part) for part in error["loc"]) or "body"
+            where = ".".join(shown(part) for part in error["loc"]) or "body"
             return refuse(400, f"invalid body: {where}: {error['msg']}"[:200])
         if notice.node not in nodes:
             return refuse(400, f"node {notice.node[:64]!r} is not in cluster {config.name!r}")

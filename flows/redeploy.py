@@ -39,6 +39,7 @@ from tasks.wait_ready import wait_until_ready
 from vllm_redeploy.config import ConfigError, load_config
 from vllm_redeploy.endpoint import api_base
 from vllm_redeploy.nodes import RemoteError
+from vllm_redeploy.safe_text import shown
 from vllm_redeploy.summary import RunSummary, StepEvent, render_markdown, report
 
 Mode = Literal["redeploy", "ensure"]
@@ -86,7 +87,7 @@ def redeploy_vllm_cluster(
     try:
         config = load_config(config_path)
     except ConfigError as exc:
-        reason = f"{exc.source} cannot be used: {'; '.join(exc.problems)}"
+        reason = f"{shown(exc.source)} cannot be used: {'; '.join(exc.problems)}"
         log().error("failed at config: %s", reason)
         raise StepFailed("config", reason) from None
     run = Run(config)

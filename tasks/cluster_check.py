@@ -20,6 +20,7 @@ from vllm_redeploy.plan import (
     ray_members_argv,
 )
 from vllm_redeploy.ray_log import wait_ray_started
+from vllm_redeploy.safe_text import block
 
 STEP = "cluster-check"
 POLL_S = 0.1
@@ -65,7 +66,7 @@ def check_ray_cluster(run: Run) -> list[RayMember]:
             raise StepFailed(
                 STEP,
                 f"after {window:g} s: {'; '.join(problems)}. "
-                f"ray status:\n{status.stdout.strip() or status.stderr.strip()}",
+                f"ray status:\n{block(status.stdout.strip() or status.stderr.strip())}",
             )
         time.sleep(POLL_S)
 
@@ -81,7 +82,7 @@ def _still_starting(run: Run, names: list[str]) -> list[str]:
             raise StepFailed(
                 STEP,
                 f"Ray on {name} ({role}, {run.node_config(name).ip}) exited with code "
-                f"{start.exit_code} while starting: {start.tail}",
+                f"{start.exit_code} while starting. Last log lines:\n{block(start.tail)}",
             )
         if not start.started:
             pending.append(name)

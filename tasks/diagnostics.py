@@ -14,6 +14,7 @@ from vllm_redeploy.nodes.docker import cluster_labels
 from vllm_redeploy.nodes.result import MASK
 from vllm_redeploy.parsers.nvidia_smi import COMPUTE_APPS_ARGV
 from vllm_redeploy.plan import ray_container
+from vllm_redeploy.safe_text import fenced, one_line, shown
 
 LOG_LINES = 40
 
@@ -39,21 +40,21 @@ def _containers(run: Run, access: NodeAccess) -> str:
     for c in access.docker.list_containers(labels=labels):
         code = f", exit {c.exit_code}" if c.exit_code is not None else ""
         oom = ", OOM-killed" if c.oom_killed else ""
-        parts.append(f"### {c.name} ({c.status}{code}{oom})")
-        parts.append("```\n" + access.docker.logs_tail(c.name, LOG_LINES).strip() + "\n```")
+        parts.append(f"### {shown(c.name)} ({shown(c.status)}{code}{oom})")
+        parts.append(fenced(access.docker.logs_tail(c.name, LOG_LINES)))
     return "\n\n".join(parts)
 
 
 def _gpu_processes(access: NodeAccess) -> str:
     smi = access.runner.run(list(COMPUTE_APPS_ARGV), check=False)
-    return "### nvidia-smi compute apps\n```\n" + (smi.stdout.strip() or "(none)") + "\n```"
+    return "### nvidia-smi compute apps\n" + fenced(smi.stdout.strip() or "(none)")
 
 
 def _kernel_oom(access: NodeAccess) -> str:
     """Kernel OOM lines, where the login user may read the kernel log."""
     dmesg = access.runner.run(["dmesg", "--level=err,warn"], check=False)
     oom = [line for line in dmesg.stdout.splitlines() if "oom" in line.lower()][-10:]
-    return "### kernel OOM lines\n```\n" + "\n".join(oom) + "\n```" if oom else ""
+    return "### kernel OOM lines\n" + fenced("\n".join(oom)) if oom else ""
 
 
 def _ray_status(run: Run, access: NodeAccess) -> str:
@@ -61,15 +62,15 @@ def _ray_status(run: Run, access: NodeAccess) -> str:
     if not access.docker.get(name):
         return ""
     status = access.docker.exec_runner(name).run(["ray", "status"], timeout=60, check=False)
-    return "### ray status\n```\n" + (status.stdout or status.stderr).strip() + "\n```"
+    return "### ray status\n" + fenced((status.stdout or status.stderr).strip())
 
 
 @task(name="diagnostics", cache_policy=NO_CACHE)
 def collect_diagnostics(run: Run, step: str, reason: str) -> str:
-    sections = [f"# {run.config.name}: failed at {step}", reason]
+    sections = [f"# {run.config.name}: failed at {step}", fenced(reason)]
     for outcome in fan_out(run.config.nodes, lambda n: _node_section(run, n.name)):
         if isinstance(outcome.error, RemoteError):
-            sections.append(f"## {outcome.node}\nunreachable: {outcome.error}")
+            sections.append(f"## {outcome.node}\nunreachable: {one_line(outcome.error)}")
         else:
             sections.append(outcome.value or "")
     text = "\n\n".join(sections)

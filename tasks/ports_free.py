@@ -10,6 +10,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import RETRY_TRANSIENT, Run, StepFailed, log
+from vllm_redeploy.safe_text import shown
 
 STEP = "ports-free"
 RECHECK_S = 0.5
@@ -66,7 +67,7 @@ def _listens(ss_line: str, ip: str, port: int) -> bool:
 def _owners(ss_lines: list[str]) -> str:
     """Who listens, where `ss -p` may show it (root sees every process): ', python3 (PID 7)'."""
     found = dict.fromkeys(
-        f"{name} (PID {pid})"
+        f"{shown(name)} (PID {pid})"
         for line in ss_lines
         for name, pid in re.findall(r'\("([^"]*)",pid=(\d+)', line)
     )

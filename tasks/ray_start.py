@@ -10,6 +10,7 @@ from prefect.cache_policies import NO_CACHE
 from tasks.context import RETRY_START, Run, StepFailed, log
 from vllm_redeploy.plan import ray_spec
 from vllm_redeploy.ray_log import wait_ray_started
+from vllm_redeploy.safe_text import block
 
 # Past this without `ray start`'s success line (a Ray build may word it differently), the head
 # is taken as starting and the cluster check, which asks Ray itself, decides.
@@ -27,10 +28,15 @@ def start_ray_head(run: Run, name: str) -> str:
     if start.exited:
         raise StepFailed(
             "ray-head",
-            f"the Ray head container on {name} exited with code {start.exit_code}: {start.tail}",
+            f"the Ray head container on {name} exited with code {start.exit_code}. "
+            f"Last log lines:\n{block(start.tail)}",
         )
     if not start.started:
-        log().warning("the Ray head on %s has not reported its start yet: %s", name, start.tail)
+        log().warning(
+            "the Ray head on %s has not reported its start yet. Last log lines:\n%s",
+            name,
+            block(start.tail),
+        )
     return container_id
 
 

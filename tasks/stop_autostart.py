@@ -13,6 +13,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.context import RETRY_TRANSIENT, Run, log
 from vllm_redeploy.nodes.docker import ContainerInfo, cluster_labels
+from vllm_redeploy.safe_text import shown
 
 
 @dataclass(frozen=True)
@@ -27,9 +28,11 @@ class StopReport:
         parts = [f"units stopped: {', '.join(self.units_stopped) or 'none'}"]
         if self.units_disabled:
             parts.append(f"disabled: {', '.join(self.units_disabled)}")
-        parts.append(f"removed: {', '.join(self.removed) or 'none'}")
+        parts.append(f"removed: {', '.join(map(shown, self.removed)) or 'none'}")
         if self.own_removed:
-            parts.append(f"our earlier containers removed: {', '.join(self.own_removed)}")
+            parts.append(
+                f"our earlier containers removed: {', '.join(map(shown, self.own_removed))}"
+            )
         return f"{self.node}: " + "; ".join(parts)
 
 

@@ -20,6 +20,7 @@ from vllm_redeploy.endpoint import api_base, engine_version, list_models
 from vllm_redeploy.nodes import RemoteError, fan_out
 from vllm_redeploy.parsers.vllm_log import LoadProgress, last_load_progress
 from vllm_redeploy.plan import engine_container, ray_container
+from vllm_redeploy.safe_text import block, shown
 from vllm_redeploy.summary import StepEvent, report
 
 STEP = "wait-ready"
@@ -78,7 +79,7 @@ def wait_until_ready(run: Run) -> Ready:
                     STEP,
                     (f"{stopped[0]}; then " if stopped else "")
                     + f"the vLLM engine on {config.head.name} exited with code {code}{oom} "
-                    f"after {time.monotonic() - started:.1f} s. Last log lines:\n{tail}",
+                    f"after {time.monotonic() - started:.1f} s. Last log lines:\n{block(tail)}",
                 )
             now = time.monotonic()
             if now >= next_group_check:
@@ -90,7 +91,7 @@ def wait_until_ready(run: Run) -> Ready:
                         f"{stopped[0]}, {now - started:.1f} s into the load; the model cannot "
                         "be served without every node. Check that node (its Docker engine may "
                         "have restarted, or the node rebooted); the next run starts the whole "
-                        f"group again. Last Ray log lines there:\n{stopped[1]}",
+                        f"group again. Last Ray log lines there:\n{block(stopped[1])}",
                     )
             if now - last_report >= PROGRESS_EVERY_S:
                 last_report = now
@@ -108,11 +109,13 @@ def wait_until_ready(run: Run) -> Ready:
                     )
             if now - started >= deadline_s:
                 tail = docker.logs_tail(name, LOG_TAIL_LINES).strip()
-                stale = f"; the server lists {listed} instead" if listed else ""
+                stale = (
+                    f"; the server lists {', '.join(map(shown, listed))} instead" if listed else ""
+                )
                 raise StepFailed(
                     STEP,
                     f"{want} was not served at {url} within {deadline_s:g} s{stale}. "
-                    f"Last log lines:\n{tail}",
+                    f"Last log lines:\n{block(tail)}",
                 )
             time.sleep(POLL_S)
 

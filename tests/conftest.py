@@ -17,14 +17,19 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.fuzz import describe_profile
 from tests.testbed.bed import TestBed
 from tests.testbed.dockerd import DockerEngine
-from tests.testbed.procs import free_port, spawn, stop, wait_until
+from tests.testbed.procs import claim, free_port, spawn, stop, sweep_abandoned, wait_until
 from tests.testbed.sshd import SSHServer, keygen
 from vllm_redeploy.nodes import SSHRunner, SSHTarget
 
 NODE_IP = "127.0.0.11"
 TEST_IMAGE = "vrd-test/busybox:1"
+
+
+def pytest_report_header() -> str:
+    return describe_profile()
 
 
 def _need(program: str) -> None:
@@ -34,10 +39,18 @@ def _need(program: str) -> None:
         )
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Daemons of a test session that was killed (Ctrl-C twice, a CI timeout) outlive it; they
+    would hold the bed's addresses and ports. Remove them before this session starts its own."""
+    for directory in sweep_abandoned():
+        print(f"removed what an earlier, killed test session left: {directory}")
+
+
 @pytest.fixture(scope="session")
 def workdir() -> Iterator[Path]:
     # Short path: unix socket paths under it must stay below 108 bytes.
     path = Path(tempfile.mkdtemp(prefix="vrd-", dir="/tmp"))
+    claim(path)
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
@@ -149,7 +162,9 @@ def make_bed(nodes: int, gpu: str, first_ip: int) -> TestBed:
     _need("dockerd")
     _need("/usr/sbin/sshd")
     root = Path(tempfile.mkdtemp(prefix="vrd-bed-", dir="/tmp"))
-    return TestBed.up(nodes, gpu, root, first_ip=first_ip)
+    bed = TestBed.up(nodes, gpu, root, first_ip=first_ip)
+    claim(root)
+    return bed
 
 
 @pytest.fixture(autouse=True, scope="session")

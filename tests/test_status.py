@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from markdown_it import MarkdownIt
 from typer.testing import CliRunner
 
 from flows.redeploy import redeploy_vllm_cluster
@@ -152,3 +153,98 @@ def test_status_after_the_engine_is_gone(deployed: tuple[TestBed, Path]) -> None
     assert re.search(r"engine\s+not running", result.stdout)
     assert "  - the vLLM engine is not running on node-1" in result.stdout
     assert result.stdout.startswith("cluster bed: not healthy")
+
+
+# --- foreign values on the way to a person (issue 12) ---------------------------------------
+
+# A newline, a carriage return, "clear the screen" and rich markup, served as the model's name.
+NASTY = "evil\n\r\x1b[2J[bold]x"
+
+
+def in_terminal(*args: str, env: dict[str, str]) -> tuple[int, str]:
+    """The CLI in a pseudo-terminal, as a person runs it: what the terminal receives."""
+    import pty
+    import select
+
+    master, slave = pty.openpty()
+    environ = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "NO_COLOR")}
+    proc = subprocess.Popen(
+        [str(CLI), *args],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env={**environ, "TERM": "xterm-256color", "COLUMNS": "160", **env},
+        close_fds=True,
+    )
+    os.close(slave)
+    received = bytearray()
+    while True:
+        ready, _, _ = select.select([master], [], [], 1.0)
+        if ready:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # the child closed its side
+                break
+            if not chunk:
+                break
+            received += chunk
+        elif proc.poll() is not None:
+            break
+    code = proc.wait(timeout=120)
+    os.close(master)
+    return code, received.decode("utf-8", "replace")
+
+
+def assert_nasty_shown_safely(text: str) -> None:
+    """The value reached the person escaped: as text, not as a newline or a screen clear."""
+    assert "\x1b[2J" not in text and "evil\n" not in text and "evil\r" not in text
+    assert r"'evil\n\r\x1b[2J[bold]x'" in text, text[-3000:]
+
+
+def test_hostile_values_reach_the_terminal_and_the_summary_escaped(
+    deployed: tuple[TestBed, Path], prefect_api: str
+) -> None:
+    """A server that names its model with control characters and markup: the run view in a
+    terminal, the piped failure, the failure summary artifact and `status` all show the name
+    escaped, on one line."""
+    bed, _ = deployed
+    path = bed.write_config(
+        bed.root / "nasty.toml",
+        vllm={"env": {"VRD_LOAD_SECONDS": "1", "VRD_FAULT": f"wrong_name:{NASTY}"}},
+        deadlines={"model_load_s": 4},
+    )
+    env = {"PREFECT_API_URL": prefect_api}
+    code, shown_in_terminal = in_terminal("run", "-c", str(path), "--keep-on-failure", env=env)
+    assert code == 1, shown_in_terminal[-3000:]
+    assert "failed at wait-ready" in shown_in_terminal
+    assert_nasty_shown_safely(shown_in_terminal)
+
+    summary = latest_summary(prefect_api)
+    tokens = MarkdownIt("commonmark").enable("table").parse(summary)
+    assert tokens[0].type == "heading_open" and tokens[1].content == "bed: failed at wait-ready"
+    (failure,) = [t.content for t in tokens if t.type == "fence"]
+    assert failure.startswith(f"{SERVED_NAME} was not served")
+    assert_nasty_shown_safely(failure)
+
+    # The group was kept (--keep-on-failure): the server still lists the hostile name.
+    result = piped("status", "-c", str(path))
+    assert result.returncode == 1
+    assert_nasty_shown_safely(result.stdout)
+    problem = next(line for line in result.stdout.splitlines() if "/models lists" in line)
+    assert problem.endswith(f"lists {NASTY!r}, not {SERVED_NAME}"), problem
+    code, status_in_terminal = in_terminal("status", "-c", str(path), env={})
+    assert code == 1
+    assert_nasty_shown_safely(status_in_terminal)
+    assert "[bold]" in status_in_terminal  # literally: rich did not take it as markup
+
+
+def latest_summary(api_url: str) -> str:
+    import httpx
+
+    found = httpx.post(
+        f"{api_url}/artifacts/latest/filter",
+        json={"artifacts": {"key": {"any_": ["bed-summary"]}}, "limit": 1},
+        timeout=10,
+    )
+    found.raise_for_status()
+    return found.json()[0]["data"]

@@ -20,22 +20,18 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from deployments.events import EVENT_REBOOTED, EventSender, node_resource_id, reboot_event_id
 from deployments.webhook import SIGNATURE_HEADER, TIMESTAMP_HEADER, running_webhook, sign
+from tests.fuzz import fuzz_settings
 from tests.test_webhook import NODES, make_config
 from vllm_redeploy.config import ClusterConfig
 
 pytestmark = pytest.mark.integration
 
-FUZZ = settings(
-    max_examples=200,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+FUZZ = fuzz_settings(200)
 MARGIN_S = 20  # keeps generated timestamps clear of the replay window's edges
 
 
@@ -409,7 +405,7 @@ def test_only_a_signed_fresh_wellformed_call_is_accepted(service: Service) -> No
     assert len(ids) == len(set(ids))  # one stored event per boot, however often it was sent
 
 
-@settings(max_examples=60, deadline=None, database=None)
+@fuzz_settings(60)
 @given(
     method=st.sampled_from(["GET", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD", "POST"]),
     path=st.sampled_from(["/reboot/", "/REBOOT", "/reboot?x=1", "/", "/docs", "/x" * 40, "/%00"]),
@@ -442,7 +438,7 @@ def raw_exchange(url: str, request: bytes) -> bytes:
     return b"".join(chunks)
 
 
-@settings(max_examples=80, deadline=None, database=None)
+@fuzz_settings(80)
 @given(
     length=st.sampled_from(
         ["abc", "-1", "+5", "1e3", " 12", "12 ", "0x10", "²", "١٢", "99999999999999999999", "5, 5"]

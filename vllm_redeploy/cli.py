@@ -31,6 +31,7 @@ from vllm_redeploy.nodes import NodeAccess, RemoteError, check_node, fan_out
 from vllm_redeploy.parsers.vllm_log import LoadProgress
 from vllm_redeploy.plan import RayMember
 from vllm_redeploy.probe import run_probe
+from vllm_redeploy.safe_text import for_terminal, shown
 from vllm_redeploy.status import ClusterStatus, GpuStatus, NodeStatus, collect_status, duration
 from vllm_redeploy.summary import StepEvent, listening
 
@@ -54,13 +55,18 @@ ConfigOption = Annotated[
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 
+def _t(value: object) -> str:
+    """A foreign value inside our rich markup: no escape sequences, no markup of its own."""
+    return escape(for_terminal(value))
+
+
 def _load(path: Path) -> ClusterConfig:
     try:
         return load_config(path)
     except ConfigError as exc:
-        err.print(f"[bold red]Configuration problem in {escape(exc.source)}[/]", highlight=False)
+        err.print(f"[bold red]Configuration problem in {_t(shown(exc.source))}[/]", highlight=False)
         for problem in exc.problems:
-            err.print(f"  - {problem}", highlight=False, markup=False)
+            err.print(f"  - {for_terminal(problem)}", highlight=False, markup=False)
         err.print(
             "Fix the keys named above (see cluster.example.toml), then run "
             "`vllm-redeploy check-config` again.",
@@ -99,7 +105,7 @@ def check_config(config: ConfigOption = Path("cluster.toml"), as_json: JsonOptio
 
 
 def _show(value: Any) -> str:
-    return json.dumps(value) if not isinstance(value, str) else value
+    return json.dumps(value) if not isinstance(value, str) else shown(value)
 
 
 @app.command()
@@ -120,8 +126,8 @@ def nodes(config: ConfigOption = Path("cluster.toml"), as_json: JsonOption = Fal
                 r.address if r.transport == "ssh" else "local",
                 "[green]yes[/]" if r.reachable else "[red]no[/]",
                 f"{r.rtt_ms:.1f} ms" if r.rtt_ms is not None else "-",
-                r.docker_version or "-",
-                r.error or "",
+                _t(r.docker_version or "-"),
+                _t(r.error or ""),
             )
         out.print(table)
     if not all(r is not None and r.reachable and r.docker_version for r in reports):
@@ -144,17 +150,17 @@ def status(config: ConfigOption = Path("cluster.toml"), as_json: JsonOption = Fa
 def _print_status(report: ClusterStatus) -> None:
     """Colours and tables in a terminal; the same text without escape codes when piped."""
     verdict = "[bold green]healthy[/]" if report.healthy else "[bold red]not healthy[/]"
-    out.print(f"[bold]cluster {escape(report.cluster)}[/]: {verdict}", highlight=False)
+    out.print(f"[bold]cluster {_t(report.cluster)}[/]: {verdict}", highlight=False)
     members = {m.ip: m for m in report.ray.members}
     table = Table(show_edge=False, show_lines=True)
     for column in ("node", "reachable", "our containers", "GPU", "Ray"):
         table.add_column(column, overflow="fold")
     for node in report.nodes:
         table.add_row(
-            f"[bold]{escape(node.name)}[/] {node.role}\n{escape(node.address)}",
+            f"[bold]{_t(node.name)}[/] {node.role}\n{_t(node.address)}",
             f"[green]yes[/] {node.rtt_ms:.1f} ms"
             if node.reachable
-            else f"[red]no[/]: {escape(node.error or '')}",
+            else f"[red]no[/]: {_t(node.error or '')}",
             _containers_cell(node),
             _gpu_cell(node.gpu),
             _ray_cell(node, members, bool(report.ray.members)),
@@ -163,17 +169,17 @@ def _print_status(report: ClusterStatus) -> None:
     out.print()
     e, engine = report.endpoint, report.engine
     if report.endpoint_serves:
-        model = f"[green]{escape(e.served_name)}[/] (/v1/models)"
+        model = f"[green]{_t(e.served_name)}[/] (/v1/models)"
     else:
         listed = ", ".join(e.models or []) or e.models_error or "nothing"
-        model = f"[red]{escape(e.served_name)} is not served[/] ({escape(listed)})"
+        model = f"[red]{_t(e.served_name)} is not served[/] ({_t(listed)})"
     probe = "[green]healthy[/]" if e.probe.healthy else "[red]unhealthy[/]"
     rows = [
-        ("endpoint", escape(e.url)),
+        ("endpoint", _t(e.url)),
         ("model", model),
         ("health", "[green]200[/]" if e.health == 200 else f"[red]{e.health or 'no answer'}[/]"),
-        ("vLLM", escape(e.version or "-")),
-        ("probe", f"{probe}: {escape(e.probe.detail)}"),
+        ("vLLM", _t(e.version or "-")),
+        ("probe", f"{probe}: {_t(e.probe.detail)}"),
         (
             "engine",
             f"[green]running[/], up {duration(engine.uptime_s)}"
@@ -191,21 +197,21 @@ def _print_status(report: ClusterStatus) -> None:
         out.print()
         out.print("[bold red]problems[/]")
         for problem in report.problems:
-            out.print(f"  - {problem}", markup=False, highlight=False)
+            out.print(f"  - {for_terminal(problem)}", markup=False, highlight=False)
 
 
 def _containers_cell(node: NodeStatus) -> str:
     if not node.reachable:
         return "-"
     if node.error:
-        return f"[red]{escape(node.error)}[/]"
+        return f"[red]{_t(node.error)}[/]"
     lines = []
     for c in node.containers:
         if c.running:
-            lines.append(f"{escape(c.name)} [green]running[/] {duration(c.uptime_s)}")
+            lines.append(f"{_t(c.name)} [green]running[/] {duration(c.uptime_s)}")
         else:
             code = f" (exit {c.exit_code})" if c.exit_code is not None else ""
-            lines.append(f"{escape(c.name)} [red]{escape(c.status)}{code}[/]")
+            lines.append(f"{_t(c.name)} [red]{_t(c.status)}{code}[/]")
     return "\n".join(lines) or "[yellow]none[/]"
 
 
@@ -216,11 +222,11 @@ def _gpu_cell(gpu: GpuStatus | None) -> str:
         return "[green]clear[/]"
     if gpu.holders:
         return "\n".join(
-            f"[yellow]held[/] by PID {h.pid} {escape(h.name)}"
+            f"[yellow]held[/] by PID {h.pid} {_t(h.name)}"
             + (f", {h.memory_mib} MiB" if h.memory_mib is not None else "")
             for h in gpu.holders
         )
-    return "[yellow]" + escape("; ".join(gpu.problems)) + "[/]"
+    return "[yellow]" + _t("; ".join(gpu.problems)) + "[/]"
 
 
 def _ray_cell(node: NodeStatus, members: dict[str, RayMember], known: bool) -> str:
@@ -253,7 +259,7 @@ def run_command(
         from vllm_redeploy.dry_run import plan_lines
 
         for line in plan_lines(cluster):
-            out.print(line, highlight=False, markup=False, soft_wrap=True)
+            out.print(for_terminal(line), highlight=False, markup=False, soft_wrap=True)
         return
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")  # Prefect's client telemetry (3.9), separately
@@ -267,13 +273,13 @@ def run_command(
             result = redeploy_vllm_cluster(str(config), mode, keep_on_failure)  # type: ignore[arg-type]
     except StepFailed as exc:
         err.print(f"[bold red]failed at {exc.step}[/]: ", end="", highlight=False)
-        err.print(exc.reason, markup=False, highlight=False)
+        err.print(for_terminal(exc.reason), markup=False, highlight=False)
         raise typer.Exit(EXIT_UNREACHABLE) from None
     except RemoteError as exc:
         err.print("[bold red]failed[/]: ", end="", highlight=False)
-        err.print(str(exc), markup=False, highlight=False)
+        err.print(for_terminal(exc), markup=False, highlight=False)
         raise typer.Exit(EXIT_UNREACHABLE) from None
-    markdown = result.get("summary") or f"# {result['cluster']}: {result['action']}\n"
+    markdown = for_terminal(result.get("summary") or f"# {result['cluster']}: {result['action']}\n")
     if view is not None:
         out.print(Markdown(markdown))
     else:
@@ -284,12 +290,13 @@ def run_command(
 def _showing(view: StepView | None) -> Iterator[None]:
     """Draw ``view`` live (if any); Prefect's console log shows warnings above it."""
     if view is None:
-        yield
+        with _prefect_console(None):
+            yield
         return
     # Success: the summary repeats the steps, so the live rows go. Failure: they stay.
     with (
         Live(view, console=out, refresh_per_second=8, transient=True) as display,
-        _prefect_console_quiet(out),
+        _prefect_console(out),
     ):
         try:
             yield
@@ -299,10 +306,11 @@ def _showing(view: StepView | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _prefect_console_quiet(console: Console) -> Iterator[None]:
-    """Prefect's console handler prints through ``console`` (above the live view, not into it),
-    and only warnings: the live view replaces its INFO lines, and a failure is printed once, at
-    the end. The Prefect API (the UI) still gets every log line."""
+def _prefect_console(live: Console | None) -> Iterator[None]:
+    """What Prefect's console handler prints while a run goes: plain text (no markup, no escape
+    sequences) and no tracebacks (the failure is printed once, at the end, in words; the
+    traceback stays in the Prefect API's log, in the UI). With a live view (``live``), it prints
+    through that console, above the view, and only warnings: the view replaces its INFO lines."""
     from prefect.logging.handlers import PrefectConsoleHandler
 
     loggers = [logging.getLogger(), *map(logging.getLogger, logging.root.manager.loggerDict)]
@@ -310,16 +318,36 @@ def _prefect_console_quiet(console: Console) -> Iterator[None]:
         id(h): h for lg in loggers for h in lg.handlers if isinstance(h, PrefectConsoleHandler)
     }.values()
     quiet = _WarningsOnly()
-    saved = [(h, h.console) for h in handlers]
+    saved = [(h, h.console, h.formatter) for h in handlers]
     for handler in handlers:
-        handler.console = _PlainPrinter(console)  # type: ignore[assignment]
-        handler.addFilter(quiet)
+        handler.console = _PlainPrinter(live or handler.console)  # type: ignore[assignment]
+        handler.setFormatter(_WithoutTraceback(handler.formatter or logging.Formatter()))
+        if live is not None:
+            handler.addFilter(quiet)
     try:
         yield
     finally:
-        for handler, original in saved:
-            handler.console = original
+        for handler, console, formatter in saved:
+            handler.console = console
+            handler.setFormatter(formatter)  # type: ignore[arg-type]
             handler.removeFilter(quiet)
+
+
+class _WithoutTraceback(logging.Formatter):
+    """Formats a record as ``inner`` does, leaving its traceback out (for this handler only:
+    the record itself is given back unchanged to the handlers after it)."""
+
+    def __init__(self, inner: logging.Formatter) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info = record.exc_text = record.stack_info = None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
 
 
 class _PlainPrinter:
@@ -329,7 +357,8 @@ class _PlainPrinter:
         self.console = console
 
     def print(self, *objects: Any, **kwargs: Any) -> None:
-        self.console.print(*objects, markup=False, highlight=False, soft_wrap=True)
+        safe = [for_terminal(o) if isinstance(o, str) else o for o in objects]
+        self.console.print(*safe, markup=False, highlight=False, soft_wrap=True)
 
 
 class _WarningsOnly(logging.Filter):
@@ -441,7 +470,7 @@ def probe(
         colour = "green" if verdict.healthy else "red"
         state = "healthy" if verdict.healthy else "unhealthy"
         out.print(f"[{colour}]{state}[/]: ", end="", highlight=False)
-        out.print(verdict.detail, markup=False, highlight=False)
+        out.print(for_terminal(verdict.detail), markup=False, highlight=False)
     if not verdict.healthy:
         raise typer.Exit(EXIT_UNREACHABLE)
 
@@ -482,7 +511,7 @@ def check_gpus(config: ConfigOption = Path("cluster.toml"), as_json: JsonOption 
             state = "[green]clear[/]" if row["clear"] else "[red]busy[/]"
             out.print(f"{row['node']}: {state}", highlight=False)
             for problem in row["problems"]:
-                out.print(f"  {problem}", markup=False, highlight=False)
+                out.print(f"  {for_terminal(problem)}", markup=False, highlight=False)
     if not all(row["clear"] for row in rows):
         raise typer.Exit(EXIT_UNREACHABLE)
 
@@ -510,7 +539,7 @@ def webhook(
     try:
         serve_webhook(cluster, host, port)
     except ValueError as exc:
-        err.print(str(exc), markup=False, highlight=False)
+        err.print(for_terminal(exc), markup=False, highlight=False)
         raise typer.Exit(EXIT_CONFIG) from None
 
 
@@ -526,12 +555,12 @@ def install_notifier_command(
 
     try:
         for line in install_notifier(cluster, node, prefix):
-            out.print(line, markup=False, highlight=False)
+            out.print(for_terminal(line), markup=False, highlight=False)
     except ValueError as exc:
-        err.print(str(exc), markup=False, highlight=False)
+        err.print(for_terminal(exc), markup=False, highlight=False)
         raise typer.Exit(EXIT_CONFIG) from None
     except RemoteError as exc:
-        err.print(str(exc), markup=False, highlight=False)
+        err.print(for_terminal(exc), markup=False, highlight=False)
         raise typer.Exit(EXIT_UNREACHABLE) from None
 
 

@@ -33,6 +33,8 @@ from pydantic_settings import (
     SettingsError,
 )
 
+from vllm_redeploy.safe_text import one_line, shown
+
 ENV_PREFIX = "VLLM_REDEPLOY_"
 DEFAULT_CONFIG = Path("cluster.toml")
 
@@ -434,7 +436,7 @@ def load_config(
     except ValidationError as exc:
         problems: list[str] = []
         for error in exc.errors():
-            for line in _explain(error).splitlines():
+            for line in map(one_line, _explain(error).split("\n")):
                 if line not in problems:
                     problems.append(line)
         raise ConfigError(str(path), problems) from None
@@ -459,7 +461,7 @@ def _read_toml(path: Path) -> dict[str, Any]:
         with path.open("rb") as f:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(str(path), [f"not valid TOML: {exc}"]) from None
+        raise ConfigError(str(path), [f"not valid TOML: {one_line(exc)}"]) from None
     except UnicodeDecodeError as exc:
         raise ConfigError(
             str(path), [f"not valid TOML: the file is not UTF-8 text (byte {exc.start})"]
@@ -469,7 +471,7 @@ def _read_toml(path: Path) -> dict[str, Any]:
             str(path), ["not valid TOML: arrays or tables nested too deeply"]
         ) from None
     except OSError as exc:
-        raise ConfigError(str(path), [f"cannot read the file: {exc.strerror}"]) from None
+        raise ConfigError(str(path), [f"cannot read the file: {one_line(exc.strerror)}"]) from None
 
 
 def _file_problems(config: ClusterConfig) -> list[str]:
@@ -480,13 +482,14 @@ def _file_problems(config: ClusterConfig) -> list[str]:
     ]:
         if key_file is not None and not _is_file(key_file):
             problems.append(
-                f"{key}: the key file {key_file} does not exist; fix the path or remove the key"
+                f"{key}: the key file {shown(key_file)} does not exist; "
+                "fix the path or remove the key"
             )
     try:
         config.ssh.known_hosts.expanduser()
     except RuntimeError:  # ~user of a user this machine does not have
         problems.append(
-            f"ssh.known_hosts: cannot expand {config.ssh.known_hosts} (no such user's home)"
+            f"ssh.known_hosts: cannot expand {shown(config.ssh.known_hosts)} (no such user's home)"
         )
     return problems
 
@@ -503,7 +506,7 @@ def _settings_problem(exc: SettingsError) -> str:
     match = re.search(r'field "([^"]+)"', str(exc))
     field = match.group(1) if match else "(top level)"
     names = sorted(k for k in os.environ if k.upper().startswith(f"{ENV_PREFIX}{field.upper()}"))
-    where = ", ".join(names) or "a variable in .env"
+    where = ", ".join(map(shown, names)) or "a variable in .env"
     return (
         f"{field}: cannot parse the value set in the environment ({where}); lists and tables "
         "set there must be JSON, e.g. VLLM_REDEPLOY_VLLM__EXTRA_ARGS='[\"--enforce-eager\"]'"
@@ -519,7 +522,8 @@ def _location(loc: tuple[Any, ...]) -> str:
             isinstance(part, str)
             and ("[" in part or part in ("str", "int", "float", "bool", "none"))
         ):
-            text += f".{part}" if text else str(part)
+            part = shown(part)
+            text += f".{part}" if text else part
     return text or "(top level)"
 
 

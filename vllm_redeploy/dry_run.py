@@ -5,9 +5,10 @@ from __future__ import annotations
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.endpoint import api_base
 from vllm_redeploy.nodes import NodeAccess, RemoteError, fan_out, render_command
-from vllm_redeploy.nodes.docker import cluster_labels
+from vllm_redeploy.nodes.docker import ContainerInfo, cluster_labels
 from vllm_redeploy.parsers.nvidia_smi import COMPUTE_APPS_ARGV, GPUS_ARGV
 from vllm_redeploy.plan import engine_spec, ray_spec
+from vllm_redeploy.safe_text import one_line, shown
 
 
 def _found(config: ClusterConfig, name: str) -> tuple[list[str], list[str]]:
@@ -16,7 +17,11 @@ def _found(config: ClusterConfig, name: str) -> tuple[list[str], list[str]]:
     with NodeAccess(node, config) as access:
         old = access.docker.list_containers(config.autostart.containers)
         ours = access.docker.list_containers(labels=cluster_labels(config.name))
-    return [f"{c.name} ({c.status})" for c in old], [f"{c.name} ({c.status})" for c in ours]
+    return [_named(c) for c in old], [_named(c) for c in ours]
+
+
+def _named(container: ContainerInfo) -> str:
+    return f"{shown(container.name)} ({shown(container.status)})"
 
 
 def plan_lines(config: ClusterConfig, inspect_nodes: bool = True) -> list[str]:
@@ -35,7 +40,7 @@ def plan_lines(config: ClusterConfig, inspect_nodes: bool = True) -> list[str]:
             lines.append(f"  {verb} unit {unit} (if active)")
         outcome = found.get(node.name)
         if outcome is not None and isinstance(outcome.error, RemoteError):
-            lines.append(f"  cannot inspect containers now: {outcome.error}")
+            lines.append(f"  cannot inspect containers now: {one_line(outcome.error)}")
         elif outcome is not None and outcome.value is not None:
             old, ours = outcome.value
             lines.append(f"  remove autostart containers: {', '.join(old) or 'none found'}")

@@ -6,6 +6,7 @@ import httpx
 
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.nodes import RemoteError, Runner
+from vllm_redeploy.safe_text import one_line, shown
 
 
 def api_base(config: ClusterConfig) -> str:
@@ -33,7 +34,7 @@ def engine_version(client: httpx.Client, base_url: str, engine: Runner | None = 
         response = client.get(f"{base_url}/version")
         version = response.json().get("version") if response.status_code == 200 else None
         if isinstance(version, str) and version:
-            return version
+            return shown(version)
     except (httpx.HTTPError, ValueError, AttributeError):
         pass
     if engine is None:
@@ -43,7 +44,7 @@ def engine_version(client: httpx.Client, base_url: str, engine: Runner | None = 
     except RemoteError:
         return None
     lines = result.stdout.strip().splitlines()
-    return lines[-1].strip() if result.ok and lines else None
+    return shown(lines[-1].strip()) if result.ok and lines else None
 
 
 def http_error(exc: httpx.HTTPError) -> str:
@@ -51,4 +52,4 @@ def http_error(exc: httpx.HTTPError) -> str:
         return "connection refused (loading, or no server)"
     if isinstance(exc, httpx.TimeoutException):
         return "no answer in time"
-    return str(exc) or type(exc).__name__
+    return one_line(exc) or type(exc).__name__

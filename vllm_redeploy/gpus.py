@@ -14,6 +14,7 @@ from vllm_redeploy.parsers.nvidia_smi import (
     parse_compute_apps,
     parse_gpus,
 )
+from vllm_redeploy.safe_text import shown
 
 # An idle discrete GPU reports ~0 MiB used; more than this with no process listed means the
 # memory has not come back yet (a process still exiting, or one nvidia-smi cannot see).
@@ -54,7 +55,7 @@ def inspect_gpus(node: str, runner: Runner, timeout: float = 30.0) -> GpuReport:
     gpus = parse_gpus(runner.run(list(GPUS_ARGV), timeout=timeout).stdout)
     meminfo = dict(_MEMINFO.findall(runner.run(["cat", "/proc/meminfo"], timeout=timeout).stdout))
     problems = [
-        f"PID {p.pid} ({p.process_name}) holds "
+        f"PID {p.pid} ({shown(p.process_name)}) holds "
         + (f"{p.used_mib} MiB" if p.used_mib is not None else "GPU memory")
         for p in processes
     ]

@@ -13,6 +13,8 @@ from typing import Any
 
 import httpx
 
+from vllm_redeploy.safe_text import one_line
+
 DETAIL_CHARS = 200
 
 
@@ -54,7 +56,7 @@ def judge(status_code: int, body: str, elapsed_s: float | None = None) -> ProbeV
         return bad(f"HTTP {status_code} and the body is JSON but not an object: {_excerpt(body)}")
     error = _error_message(data)
     if error is not None or status_code >= 400:
-        return bad(f"HTTP {status_code}: {error or _excerpt(body)}")
+        return bad(f"HTTP {status_code}: {_excerpt(error or body)}")
     choices = data.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         return bad("the reply has no choices")
@@ -96,7 +98,7 @@ def run_probe(
     except httpx.TimeoutException:
         return ProbeVerdict(False, f"no reply from {url} within {timeout_s:g} s")
     except httpx.HTTPError as exc:
-        return ProbeVerdict(False, f"cannot reach {url}: {exc}")
+        return ProbeVerdict(False, f"cannot reach {url}: {one_line(exc)}")
     return judge(response.status_code, response.text, response.elapsed.total_seconds())
 
 
@@ -118,5 +120,5 @@ def _error_message(data: dict[str, Any]) -> str | None:
 
 
 def _excerpt(text: str, limit: int = DETAIL_CHARS) -> str:
-    flat = " ".join(text.split())
+    flat = one_line(" ".join(text.split()))
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."

@@ -30,6 +30,7 @@ from vllm_redeploy.plan import (
     ray_members_argv,
 )
 from vllm_redeploy.probe import ProbeVerdict, run_probe
+from vllm_redeploy.safe_text import one_line, shown
 
 HTTP_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
 RAY_TIMEOUT_S = 60.0
@@ -213,11 +214,11 @@ def _ray(access: NodeAccess, config: ClusterConfig, containers: list[ContainerSt
         return RayStatus(problems=[f"Ray membership unknown: {exc}"])
     if not result.ok:
         tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
-        return RayStatus(problems=[f"Ray membership unknown: {tail[0]}"])
+        return RayStatus(problems=[f"Ray membership unknown: {one_line(tail[0])}"])
     try:
         members = parse_members(result.stdout)
     except (ValueError, KeyError) as exc:
-        return RayStatus(problems=[f"Ray membership unreadable: {exc}"])
+        return RayStatus(problems=[f"Ray membership unreadable: {one_line(exc)}"])
     return RayStatus(members, membership_problems(config, members))
 
 
@@ -257,7 +258,7 @@ def _judge(
     if endpoint.models is None:
         problems.append(f"{endpoint.url}/models does not answer: {endpoint.models_error}")
     elif endpoint.served_name not in endpoint.models:
-        listed = ", ".join(endpoint.models) or "nothing"
+        listed = ", ".join(map(shown, endpoint.models)) or "nothing"
         problems.append(f"{endpoint.url}/models lists {listed}, not {endpoint.served_name}")
     if endpoint.health != 200 and endpoint.models is not None:
         problems.append(f"/health answered {endpoint.health or 'nothing'}")

@@ -23,6 +23,7 @@ from vllm_redeploy.gpus import GpuReport
 from vllm_redeploy.parsers.vllm_log import LoadProgress
 from vllm_redeploy.plan import RayMember
 from vllm_redeploy.probe import ProbeVerdict
+from vllm_redeploy.safe_text import fenced, one_line
 
 PROBE_WORDS = 12
 
@@ -78,8 +79,7 @@ def render_markdown(summary: RunSummary) -> str:
     """The summary as markdown; the first line is ``# <cluster>: <action>``."""
     lines = [f"# {summary.title}", ""]
     if summary.failure is not None:
-        fence = "~~~~" if "```" in summary.failure else "```"
-        lines += [fence, summary.failure.strip(), fence, ""]
+        lines += [fenced(summary.failure), ""]
     lines += [
         f"Mode `{summary.mode}`, {len(summary.steps)} steps in {summary.total_s:g} s.",
         "",
@@ -94,7 +94,7 @@ def render_markdown(summary: RunSummary) -> str:
     lines += _vllm_section(summary)
     lines += _probe_section(summary.probe)
     if summary.notes:
-        lines += ["", "## Notes", "", *(f"- {_one_line(note)}" for note in summary.notes)]
+        lines += ["", "## Notes", "", *(f"- {_cell(note)}" for note in summary.notes)]
     return "\n".join(lines) + "\n"
 
 
@@ -208,8 +208,9 @@ _MARKDOWN = re.compile(r"([\\`*_\[\]<>#|~])")
 
 
 def _literal(text: str) -> str:
-    """The model's words shown as written: markdown characters in them are escaped."""
-    return _MARKDOWN.sub(r"\\\1", text)
+    """Foreign words (a model's answer, names) shown as written, on one line: Markdown
+    characters in them are escaped, control characters written as escapes."""
+    return _MARKDOWN.sub(r"\\\1", one_line(text))
 
 
 def _short_id(image_id: str | None) -> str:
@@ -221,7 +222,8 @@ def _one_line(text: str) -> str:
 
 
 def _cell(text: str) -> str:
-    return _one_line(text).replace("|", "\\|")
+    """A table cell: one line, Markdown in it shown as written (``|`` cannot end the cell)."""
+    return _literal(_one_line(text))
 
 
 # --- live progress ---------------------------------------------------------------------------

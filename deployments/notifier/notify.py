@@ -45,7 +45,10 @@ class ConfigProblem(Exception):
 
 
 def say(message: str) -> None:
-    print(f"vllm-redeploy-notify: {message}", file=sys.stderr, flush=True)
+    # One journal line per message: an answer's body cannot add lines or escape sequences. (This
+    # script runs on the nodes without the package, so it cannot use vllm_redeploy.safe_text.)
+    line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+    print(f"vllm-redeploy-notify: {line}", file=sys.stderr, flush=True)
 
 
 def read_env_file(path: str) -> dict[str, str]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,10 +29,72 @@ def wait_until(
     raise TimeoutError(f"{what} not ready after {timeout:g} s{tail}")
 
 
+# Ports for the servers tests start: below Linux's ephemeral range (32768-60999), so an outgoing
+# connection (Ray, Prefect and docker clients open hundreds) cannot take one between the pick and
+# the server's bind; above Ray's worker ports (10002-19999); below the bed's API port (30000).
+TEST_PORTS = range(21000, 30000)
+_handed_out: set[tuple[str, int]] = set()
+
+
 def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port nothing listens on at ``host`` (or on all addresses), not handed out before."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.choice(TEST_PORTS)
+        if (host, port) in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add((host, port))
+        return port
+    raise RuntimeError(f"no free port on {host} in {TEST_PORTS}")
+
+
+OWNER_FILE = "owner.pid"
+
+
+def claim(directory: Path) -> None:
+    """Mark ``directory`` as this process's: a later session sweeps it once this one is gone."""
+    (directory / OWNER_FILE).write_text(f"{os.getpid()}\n")
+
+
+def sweep_abandoned(pattern: str = "/tmp/vrd-*") -> list[Path]:
+    """Remove what killed test sessions left behind: for each claimed directory whose owner is
+    gone, every process that names it (daemons run in their own sessions and outlive pytest),
+    the mounts below it, and the directory. Directories nobody claimed (a bed an operator
+    brought up with `python -m tests.testbed up`) are left alone."""
+    swept = []
+    for directory in sorted(Path(pattern).parent.glob(Path(pattern).name)):
+        owner = directory / OWNER_FILE
+        try:
+            pid = int(owner.read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if alive(pid):
+            continue
+        for victim in pids_with_arg(str(directory)) + pids_with_env(str(directory)):
+            kill_tree(victim, grace=0)
+        for line in reversed(Path("/proc/mounts").read_text().splitlines()):
+            point = line.split()[1]
+            if point.startswith(f"{directory}/"):
+                subprocess.run(["umount", "-l", point], check=False, capture_output=True)
+        shutil.rmtree(directory, ignore_errors=True)
+        swept.append(directory)
+    return swept
+
+
+def pids_with_env(fragment: str) -> list[int]:
+    """Processes with ``fragment`` in their environment (a server told its home by variable)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/environ", "rb") as f:
+                if fragment.encode() in f.read():
+                    found.append(int(entry))
+    return found
 
 
 def spawn(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:

@@ -25,10 +25,14 @@ from vllm_redeploy.nodes.errors import (
     NodeUnreachable,
     RemoteError,
 )
+from vllm_redeploy.nodes.library_logs import route_library_logs
 from vllm_redeploy.nodes.local import LocalRunner
 from vllm_redeploy.nodes.result import CommandResult, render_command
 from vllm_redeploy.nodes.runner import Runner
 from vllm_redeploy.nodes.ssh import SSHRunner, SSHTarget
+
+# Whoever reaches nodes through this package gets the libraries' noise at debug level only.
+route_library_logs()
 
 __all__ = [
     "AuthenticationFailed",

@@ -29,6 +29,7 @@ from vllm_redeploy.nodes.errors import RemoteError
 from vllm_redeploy.nodes.result import CommandResult
 from vllm_redeploy.nodes.runner import OutputCapture, Runner
 from vllm_redeploy.nodes.ssh import SSHRunner
+from vllm_redeploy.safe_text import one_line
 
 # Docker Engine API 1.41 = Docker 20.10, the oldest engine with everything used here (GPU
 # device requests need 1.40). Fixed so that creating a client never contacts the node.
@@ -48,7 +49,7 @@ class DockerError(RemoteError):
     """A Docker operation on a node failed; ``transient`` when the connection to it broke."""
 
     def __init__(self, node: str, message: str, transient: bool = False) -> None:
-        super().__init__(node, message)
+        super().__init__(node, one_line(message))
         self.transient = transient
 
     def __reduce__(self):  # type: ignore[no-untyped-def]

@@ -7,6 +7,7 @@ Prefect persists task failures, so every error defines ``__reduce__``: an except
 from __future__ import annotations
 
 from vllm_redeploy.nodes.result import CommandResult, render_command
+from vllm_redeploy.safe_text import block, one_line
 
 TAIL_LINES = 15
 
@@ -30,9 +31,9 @@ class NodeUnreachable(RemoteError):
     """The node could not be reached: DNS, TCP, SSH handshake, authentication or host key."""
 
     def __init__(self, node: str, reason: str, hint: str = "") -> None:
-        message = f"cannot reach node {node}: {reason}"
+        message = f"cannot reach node {node}: {one_line(reason)}"
         if hint:
-            message += f". {hint}"
+            message += f". {one_line(hint)}"
         super().__init__(node, message)
         self.reason = reason
         self.hint = hint
@@ -69,11 +70,11 @@ class CommandError(RemoteError):
 
     def _describe(self) -> str:
         command = render_command(self.result.argv, self.secrets)
-        lines = [f"{self._headline()} on {self.result.node}: {command}"]
+        lines = [one_line(f"{self._headline()} on {self.result.node}: {command}")]
         for stream in ("stderr", "stdout"):
             tail = self.result.tail(stream, TAIL_LINES)  # type: ignore[arg-type]
             if tail:
-                lines.append(f"last {stream} lines:\n{tail}")
+                lines.append(f"last {stream} lines:\n{block(tail)}")
                 break
         text = "\n".join(lines)
         for secret in self.secrets:

@@ -215,7 +215,15 @@ class SSHRunner(Runner):
             ) from None
         except (paramiko.SSHException, OSError, EOFError) as exc:
             client.close()
-            raise NodeUnreachable(self.node, f"SSH to {t.host}:{t.port} failed: {exc}") from None
+            hint = ""
+            if "banner" in str(exc).lower():
+                hint = (
+                    "Something answers on that port but does not speak SSH: check the node's "
+                    "ssh_port, and that no proxy or other service sits in front of sshd"
+                )
+            raise NodeUnreachable(
+                self.node, f"SSH to {t.host}:{t.port} failed: {exc}", hint
+            ) from None
         transport = client.get_transport()
         assert transport is not None
         transport.set_keepalive(t.keepalive_s)

@@ -105,7 +105,7 @@ def _rows(
     missing = [field for field in required if field not in fields]
     if missing:
         raise ValueError(f"nvidia-smi query must include {', '.join(missing)}")
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = [line.strip() for line in text.split("\n") if line.strip()]
     headers = [_HEADER_NAMES.get(field, field) for field in fields]
     if lines and lines[0].split(", ")[0] == headers[0]:
         found = [cell.split(" [")[0] for cell in lines[0].split(", ")]
