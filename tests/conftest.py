@@ -18,13 +18,13 @@ import httpx
 import pytest
 
 from tests.fuzz import describe_profile
-from tests.testbed.bed import TestBed
+from tests.testbed.bed import TestBed, bed_ip
 from tests.testbed.dockerd import DockerEngine
 from tests.testbed.procs import claim, free_port, spawn, stop, sweep_abandoned, wait_until
 from tests.testbed.sshd import SSHServer, keygen
 from vllm_redeploy.nodes import SSHRunner, SSHTarget
 
-NODE_IP = "127.0.0.11"
+NODE_IP = bed_ip(11)
 TEST_IMAGE = "vrd-test/busybox:1"
 
 

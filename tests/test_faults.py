@@ -39,7 +39,7 @@ from prefect.client.schemas.objects import StateType
 from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import make_bed
 from tests.testbed import image
-from tests.testbed.bed import SERVED_NAME, TestBed
+from tests.testbed.bed import SERVED_NAME, TestBed, bed_ip
 from tests.testbed.node import EmulatedNode
 from tests.testbed.procs import descendants, wait_until
 from vllm_redeploy import PROJECT
@@ -646,7 +646,10 @@ def test_a_server_serving_another_model_is_not_ready(
         ("http_500", "answered but is not healthy: HTTP 500: "),
         ("html_error", "answered but is not healthy: HTTP 502 and the body is an HTML page"),
         ("malformed_json", "answered but is not healthy: HTTP 200 and the body is not JSON"),
-        ("slow:60", "did not answer: no reply from http://127.0.0.201:30000/v1/chat/completions"),
+        (
+            "slow:60",
+            f"did not answer: no reply from http://{bed_ip(FIRST_IP)}:30000/v1/chat/completions",
+        ),
     ],
     ids=["http-500", "html-error-page", "malformed-json", "stall-60s"],
 )

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import make_bed
 from tests.testbed import image
-from tests.testbed.bed import SERVED_NAME, TestBed
+from tests.testbed.bed import SERVED_NAME, TestBed, bed_ip
 from vllm_redeploy.cli import app
 from vllm_redeploy.config import load_config
 from vllm_redeploy.plan import engine_container, ray_container
@@ -132,7 +132,7 @@ def test_dry_run_prints_the_plan_and_touches_nothing(flow_bed: TestBed) -> None:
     result = CliRunner().invoke(app, ["run", "-c", str(flow_bed.root / "run.toml"), "--dry-run"])
     assert result.exit_code == 0, result.output
     assert "remove our earlier containers: vllm-redeploy-bed-engine (running)" in result.output
-    assert "--node-ip-address=127.0.0.32" in result.output
+    assert f"--node-ip-address={bed_ip(32)}" in result.output
     assert "vllm serve" in result.output and "--reasoning-parser qwen3" in result.output
     assert containers(flow_bed) == before
 

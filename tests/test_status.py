@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import make_bed
-from tests.testbed.bed import SERVED_NAME, TestBed
+from tests.testbed.bed import SERVED_NAME, TestBed, bed_ip
 from vllm_redeploy.cli import app
 from vllm_redeploy.config import load_config
 from vllm_redeploy.nodes import NodeAccess
@@ -133,7 +133,7 @@ def test_the_run_command_piped_prints_a_line_per_step_then_the_summary(
     assert "| step | seconds |" in summary and "| wait-ready |" in summary
     # what was stopped on each node: this time our own containers of the last run
     assert "ours from the last run: vllm-redeploy-bed-engine, vllm-redeploy-bed-ray" in summary
-    assert "- vLLM 0.19.0" in summary and "served at http://127.0.0.91:30000/v1" in summary
+    assert "- vLLM 0.19.0" in summary and f"served at http://{bed_ip(91)}:30000/v1" in summary
     assert "- healthy: reasoning only: the token budget ended inside thinking" in summary
     assert "- reasoning: \u201cThinking Process:" in summary
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.testbed import image
-from tests.testbed.bed import TestBed
+from tests.testbed.bed import TestBed, bed_ip
 from vllm_redeploy.config import ClusterConfig, load_config
 from vllm_redeploy.nodes import (
     ContainerSpec,
@@ -192,9 +192,9 @@ def test_the_bed_command_line_brings_a_bed_up_and_removes_it() -> None:
     try:
         assert up.returncode == 0, up.stderr
         config = load_config(Path(up.stdout.strip()), env_file=None)
-        assert [n.ip for n in config.nodes] == ["127.0.0.130"]
+        assert [n.ip for n in config.nodes] == [bed_ip(130)]
         assert run("up", "--nodes", "1").returncode == 2  # one bed per root
-        assert "node-1 127.0.0.130" in run("status").stdout
+        assert f"node-1 {bed_ip(130)}" in run("status").stdout
         assert run("reboot", "node-1").returncode == 0
         assert "sshd up, docker up" in run("status").stdout
     finally:

@@ -29,13 +29,14 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.testbed.bed import bed_ip
 from tests.testbed.procs import free_port, spawn, stop, wait_until
 from tests.testbed.standins import gpu_state
 
 pytestmark = pytest.mark.integration
 
-HEAD_IP = "127.0.0.21"
-WORKER_IP = "127.0.0.22"
+HEAD_IP = bed_ip(21)
+WORKER_IP = bed_ip(22)
 MODEL = "Qwen/Qwen3.5-122B-A10B-FP8"
 SERVED = "qwen35"
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -426,7 +427,9 @@ def test_tp_larger_than_cluster_waits_for_placement(
     cluster: Cluster, ray_launcher: Launcher
 ) -> None:
     standin = ray_launcher.start(*ray_flags(), tp=4, env=ray_env(cluster))
-    specs = "[{'GPU': 1.0, 'node:127.0.0.21': 0.001}, {'GPU': 1.0}, {'GPU': 1.0}, {'GPU': 1.0}]"
+    specs = (
+        f"[{{'GPU': 1.0, 'node:{HEAD_IP}': 0.001}}, {{'GPU': 1.0}}, {{'GPU': 1.0}}, {{'GPU': 1.0}}]"
+    )
     _assert_waits_for_placement(standin, specs)
     log = standin.output()
     assert "Tensor parallel size (4) exceeds available GPUs (1)." in log

@@ -19,7 +19,12 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--nodes", type=int, default=2)
     up.add_argument("--gpu", choices=["h200", "gb10"], default="h200")
     up.add_argument("--no-old-stack", action="store_true", help="no autostart containers")
-    up.add_argument("--first-ip", type=int, default=11, help="node-1 at 127.0.0.FIRST_IP")
+    up.add_argument(
+        "--first-ip",
+        type=int,
+        default=11,
+        help="node-1 at NET.FIRST_IP (VRD_TEST_NET, default 127.0.0)",
+    )
     verbs.add_parser("status", help="what runs on each node")
     reboot = verbs.add_parser("reboot", help="power-cycle one node")
     reboot.add_argument("node")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,21 @@ from tests.testbed.sshd import keygen
 
 DEFAULT_ROOT = Path("/tmp/vrd-bed")
 FIRST_IP = 11  # node-1 is 127.0.0.11, node-2 127.0.0.12, ...
+# Every 127.x.y.z is loopback: test sessions side by side (several engineers' worktrees on one
+# machine) each take their own 127.0.N.0/24 with VRD_TEST_NET=127.0.N.
+NET = os.environ.get("VRD_TEST_NET", "127.0.0")
+
+
+def bed_ip(last_octet: int) -> str:
+    return f"{NET}.{last_octet}"
+
+
+def ray_port(ip: str) -> int:
+    """Ray's GCS listens on every address: each bed's head needs a port of its own."""
+    *_, third, fourth = (int(part) for part in ip.split("."))
+    return 6000 + (third * 256 + fourth) % 3000
+
+
 MAX_NODES = 8
 SERVED_NAME = "Qwen3.5-122B-A10B-FP8"
 API_PORT = 30000  # vLLM's port in the config the bed writes, and the old stack's
@@ -71,7 +87,7 @@ class TestBed:
         old_stack: bool = True,
         first_ip: int = FIRST_IP,
     ) -> TestBed:
-        """Bring up ``nodes`` nodes at 127.0.0.<first_ip>, <first_ip + 1>, ...; beds at other
+        """Bring up ``nodes`` nodes at NET.<first_ip>, <first_ip + 1>, ...; beds at other
         addresses can run side by side (Ray and the API bind the nodes' own addresses)."""
         if not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"--nodes must be 1..{MAX_NODES}, got {nodes}")
@@ -90,9 +106,9 @@ class TestBed:
             EmulatedNode(
                 NodeSpec(
                     f"node-{i}",
-                    f"127.0.0.{first_ip + i - 1}",
+                    bed_ip(first_ip + i - 1),
                     str(root / f"n{i}"),
-                    str(root / "gpu" / f"127.0.0.{first_ip + i - 1}"),
+                    str(root / "gpu" / bed_ip(first_ip + i - 1)),
                 )
             )
             for i in range(1, nodes + 1)
@@ -208,7 +224,7 @@ class TestBed:
             },
             # Ray's GCS listens on all addresses: beds side by side need their own port.
             "ray": {
-                "port": 6300 + int(self.nodes[0].ip.rsplit(".", 1)[1]),
+                "port": ray_port(self.nodes[0].ip),
                 "extra_args": ["--num-cpus=1", "--object-store-memory=78643200"],
             },
             "autostart": {"containers": ["glm-*"], "units": ["glm-server.service"]},
