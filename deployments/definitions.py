@@ -20,8 +20,9 @@ from vllm_redeploy.config import ClusterConfig
 REBOOT_EVENT = "vllm.node.rebooted"
 NIGHTLY_CRON = "0 4 * * *"
 NIGHTLY_TIMEZONE = "UTC"  # explicit: the schedule must not move with the controller's locale
-# One run at a time per cluster; a run that arrives meanwhile waits (a recovery run must never
-# be dropped, which CANCEL_NEW would do).
+# One run at a time per deployment; a run that arrives meanwhile waits (a recovery run must never
+# be dropped, which CANCEL_NEW would do). Runs of different deployments of one cluster take
+# turns through the cluster's own lock (tasks/cluster_lock.py), whatever process runs them.
 ONE_AT_A_TIME = ConcurrencyLimitConfig(limit=1, collision_strategy="ENQUEUE")
 
 
@@ -84,9 +85,11 @@ def serve_deployments(config: ClusterConfig, config_path: Path) -> None:
 
     from deployments.zombies import enable_heartbeats, ensure_zombie_automation
     from flows.redeploy import redeploy_vllm_cluster
+    from tasks.cluster_lock import ensure_cluster_lock
 
     enable_heartbeats()
     ensure_zombie_automation()
+    ensure_cluster_lock(config.name)  # every run of the cluster takes it, from any deployment
 
     deployments = [
         redeploy_vllm_cluster.to_deployment(**spec)

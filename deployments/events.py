@@ -1,4 +1,5 @@
-"""Prefect events for node reboots, and a sender that posts them without blocking its caller.
+"""A sender that posts events to Prefect without blocking its caller (the events themselves are
+built in ``vllm_redeploy.events``).
 
 A self-hosted Prefect server takes events at ``POST {api}/events``: the body is a JSON list of
 events (``prefect.server.api.events.create_events(events: List[Event])``, 204 on success). The
@@ -13,46 +14,20 @@ import base64
 import logging
 import queue
 import threading
-import uuid
-from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 
-EVENT_REBOOTED = "vllm.node.rebooted"
-# Fixed for the life of the project: changing it changes every event id.
-EVENT_NAMESPACE = uuid.UUID("d804102c-4dc8-43d6-90c1-37516ff2ad60")
-RESOURCE_PREFIX = "vllm-redeploy.node"
-LABEL_CLUSTER = "vllm-redeploy.cluster"
-LABEL_NODE = "vllm-redeploy.node"
+from vllm_redeploy.events import (  # noqa: F401 - the webhook's and the tests' names for them
+    EVENT_REBOOTED,
+    LABEL_CLUSTER,
+    LABEL_NODE,
+    node_resource_id,
+    reboot_event,
+    reboot_event_id,
+)
 
 log = logging.getLogger("vllm_redeploy.events")
-
-
-def node_resource_id(cluster: str, node: str) -> str:
-    """The ``prefect.resource.id`` of a node, e.g. ``vllm-redeploy.node.bed.node-1``."""
-    return f"{RESOURCE_PREFIX}.{cluster}.{node}"
-
-
-def reboot_event_id(cluster: str, node: str, boot_id: str) -> str:
-    """The same boot of the same node always gives the same event id."""
-    return str(uuid.uuid5(EVENT_NAMESPACE, f"{cluster}/{node}/{boot_id}"))
-
-
-def reboot_event(cluster: str, node: str, boot_id: str, uptime_s: float) -> dict[str, Any]:
-    """A Prefect event saying that ``node`` of ``cluster`` booted (``boot_id``)."""
-    return {
-        "id": reboot_event_id(cluster, node, boot_id),
-        "event": EVENT_REBOOTED,
-        "occurred": datetime.now(UTC).isoformat(),
-        "resource": {
-            "prefect.resource.id": node_resource_id(cluster, node),
-            "prefect.resource.name": node,
-            LABEL_CLUSTER: cluster,
-            LABEL_NODE: node,
-        },
-        "payload": {"boot_id": boot_id, "uptime_s": uptime_s},
-    }
 
 
 def _prefect_api() -> tuple[str | None, dict[str, str]]:

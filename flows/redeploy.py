@@ -1,5 +1,7 @@
 """Bring the vLLM cluster back: the operator's runbook as one flow.
 
+Whole run: hold the cluster, so no other run of it (nightly, after-reboot, manual) touches
+its nodes meanwhile.
 0. Preflight: every node reachable (late ones waited for), Docker, image, model, Ray, fabric IP.
 1. Stop what auto-starts at boot (units, containers) and our own earlier containers.
 2. Make sure every GPU is free, and the head's API and Ray ports.
@@ -16,6 +18,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Literal
 
 from prefect import flow
@@ -24,6 +28,7 @@ from prefect.events import emit_event
 from prefect.futures import wait
 
 from tasks.cluster_check import check_ray_cluster
+from tasks.cluster_lock import cluster_lock
 from tasks.context import Run, StepFailed, log
 from tasks.diagnostics import collect_diagnostics
 from tasks.gpus_clear import wait_gpus_clear
@@ -38,11 +43,14 @@ from tasks.teardown import teardown_group
 from tasks.wait_ready import wait_until_ready
 from vllm_redeploy.config import ConfigError, load_config
 from vllm_redeploy.endpoint import api_base
+from vllm_redeploy.events import failed_event, ready_event
+from vllm_redeploy.names import artifact_key
 from vllm_redeploy.nodes import RemoteError
-from vllm_redeploy.safe_text import shown
+from vllm_redeploy.safe_text import one_line, shown
 from vllm_redeploy.summary import RunSummary, StepEvent, render_markdown, report
 
 Mode = Literal["redeploy", "ensure"]
+LAUNCHES = "ray-head"  # the first step that starts something a failed run must remove
 
 
 class Steps:
@@ -52,11 +60,10 @@ class Steps:
     def __init__(self, summary: RunSummary) -> None:
         self.summary = summary
         self.current = "start"
+        self.started: list[str] = []
 
     def __call__(self, name: str, fn: Any, *args: Any) -> Any:
-        self.current = name
-        log().info("step %s", name)
-        report(StepEvent(name, "running"))
+        self._start(name)
         started = time.monotonic()
         try:
             result = fn(*args)
@@ -64,6 +71,22 @@ class Steps:
             self.summary.steps[name] = round(time.monotonic() - started, 2)
         report(StepEvent(name, "done", self.summary.steps[name]))
         return result
+
+    @contextmanager
+    def holding(self, name: str, hold: AbstractContextManager[Any]) -> Iterator[None]:
+        """A step that is held for the rest of the run: timed until it is taken."""
+        self._start(name)
+        started = time.monotonic()
+        with hold:
+            self.summary.steps[name] = round(time.monotonic() - started, 2)
+            report(StepEvent(name, "done", self.summary.steps[name]))
+            yield
+
+    def _start(self, name: str) -> None:
+        self.current = name
+        self.started.append(name)
+        log().info("step %s", name)
+        report(StepEvent(name, "running"))
 
 
 def per_node(task: Any, run: Run, names: list[str]) -> list[Any]:
@@ -100,50 +123,73 @@ def redeploy_vllm_cluster(
         image=config.vllm.image,
     )
     step = Steps(summary)
-    nodes = [n.name for n in config.nodes]
-    launched = False
+    handled: Exception | None = None
     try:
-        if mode == "ensure":
-            health = step("inspect", inspect_deployment, run)
-            if health.healthy:
-                summary.action = "already healthy: nothing changed"
-                summary.notes.append(health.reason)
-                return _finish(summary)
-            summary.notes.append(f"redeploying: {health.reason}")
-        facts = step("preflight", per_node, preflight_node, run, nodes)
-        summary.image_id = next((f.image_id for f in facts if f.image_id), None)
-        judge_preflight(run, facts)
-        summary.stopped = step("stop-autostart", per_node, stop_autostart, run, nodes)
-        summary.gpus = step("gpus-clear", per_node, wait_gpus_clear, run, nodes)
-        step("ports-free", wait_ports_free, run)
-        launched = True
-        step("ray-head", start_ray_head, run, config.head.name)
-        step("join-workers", per_node, join_worker, run, [w.name for w in config.workers])
-        summary.members = step("cluster-check", check_ray_cluster, run)
-        step("launch-vllm", launch_vllm, run)
-        ready = step("wait-ready", wait_until_ready, run)
-        summary.load_s, summary.vllm_version = ready.waited_s, ready.version
-        summary.probe = step("probe", probe_model, run)
-        return _finish(summary)
-    except (StepFailed, RemoteError) as exc:
-        failed_step = exc.step if isinstance(exc, StepFailed) else step.current
-        reason = exc.reason if isinstance(exc, StepFailed) else str(exc)
-        _fail(run, summary, failed_step, reason, tear_down=launched and not keep_on_failure)
-        raise
+        with step.holding("cluster-lock", cluster_lock(config)):
+            try:
+                return _runbook(run, mode, step)
+            except Exception as exc:
+                handled = exc  # reported while the cluster is still held: nobody else starts
+                _fail(run, summary, *_explain(exc, step.current), keep_on_failure, step)
+                raise
+    except Exception as exc:  # every failure ends the same way: diagnostics, event, teardown
+        if exc is not handled:  # taking the cluster failed: nothing was started
+            _fail(run, summary, *_explain(exc, step.current), keep_on_failure, step)
+        if isinstance(exc, StepFailed | RemoteError):
+            raise
+        raise StepFailed(*_explain(exc, step.current)) from exc
     finally:
         run.close()
+
+
+def _runbook(run: Run, mode: Mode, step: Steps) -> dict[str, Any]:
+    """The operator's steps, in order; the flow holds the cluster around them."""
+    config, summary = run.config, step.summary
+    nodes = [n.name for n in config.nodes]
+    if mode == "ensure":
+        health = step("inspect", inspect_deployment, run)
+        if health.healthy:
+            summary.action = "already healthy: nothing changed"
+            summary.notes.append(health.reason)
+            return _finish(summary)
+        summary.notes.append(f"redeploying: {health.reason}")
+    facts = step("preflight", per_node, preflight_node, run, nodes)
+    summary.image_id = next((f.image_id for f in facts if f.image_id), None)
+    judge_preflight(run, facts)
+    summary.stopped = step("stop-autostart", per_node, stop_autostart, run, nodes)
+    summary.gpus = step("gpus-clear", per_node, wait_gpus_clear, run, nodes)
+    step("ports-free", wait_ports_free, run)
+    step("ray-head", start_ray_head, run, config.head.name)
+    step("join-workers", per_node, join_worker, run, [w.name for w in config.workers])
+    summary.members = step("cluster-check", check_ray_cluster, run)
+    step("launch-vllm", launch_vllm, run)
+    ready = step("wait-ready", wait_until_ready, run)
+    summary.load_s, summary.vllm_version = ready.waited_s, ready.version
+    summary.probe = step("probe", probe_model, run)
+    return _finish(summary)
+
+
+def _explain(exc: Exception, current: str) -> tuple[str, str]:
+    """The failed step and a one-paragraph reason; an exception nobody planned for is named as
+    such, its traceback left to the flow run's log."""
+    if isinstance(exc, StepFailed):
+        return exc.step, exc.reason
+    if isinstance(exc, RemoteError):
+        return current, str(exc)
+    return current, (
+        f"unexpected error in {current}: {type(exc).__name__}: {one_line(exc)} (a bug in "
+        "vllm-redeploy or in what it talks to; the traceback is in the flow run's log)"
+    )
 
 
 def _finish(summary: RunSummary) -> dict[str, Any]:
     markdown = render_markdown(summary)
     create_markdown_artifact(
-        markdown, key=f"{summary.cluster}-summary", description="what the redeploy did"
+        markdown,
+        key=artifact_key(summary.cluster, "summary"),
+        description="what the redeploy did",
     )
-    emit_event(
-        "vllm.cluster.ready",
-        resource={"prefect.resource.id": f"vllm-redeploy.cluster.{summary.cluster}"},
-        payload={"mode": summary.mode, "action": summary.action, "steps": summary.steps},
-    )
+    emit_event(**ready_event(summary.cluster, summary.mode, summary.action, summary.steps))
     return {
         "cluster": summary.cluster,
         "mode": summary.mode,
@@ -155,31 +201,41 @@ def _finish(summary: RunSummary) -> dict[str, Any]:
     }
 
 
-def _fail(run: Run, summary: RunSummary, step: str, reason: str, tear_down: bool) -> None:
+def _fail(
+    run: Run, summary: RunSummary, step: str, reason: str, keep_on_failure: bool, steps: Steps
+) -> None:
+    """Report a failure everywhere it is looked for, and remove what this run started (unless
+    kept to debug it); each part is tried even if another fails."""
     log().error("failed at %s: %s", step, reason)
+    if reason.startswith("unexpected error"):
+        log().error("the unexpected error's traceback", exc_info=True)
+    tear_down = LAUNCHES in steps.started and not keep_on_failure
     report(StepEvent(step, "failed", summary.steps.get(step), reason))
     summary.action, summary.failed_step, summary.failure = f"failed at {step}", step, reason
     try:
         collect_diagnostics(run, step, reason)
     except Exception as exc:
-        log().warning("could not collect diagnostics: %s", exc)
+        log().warning("could not collect diagnostics: %s", one_line(exc))
     if tear_down:
-        removed = teardown_group(run)
-        gone = ", ".join(f"{node}: {', '.join(names)}" for node, names in removed.items() if names)
-        summary.notes.append(f"removed the half-started group ({gone or 'nothing left'})")
+        try:
+            removed = teardown_group(run)
+        except Exception as exc:
+            summary.notes.append(f"could not remove the half-started group: {one_line(exc)}")
+        else:
+            gone = ", ".join(f"{n}: {', '.join(names)}" for n, names in removed.items() if names)
+            summary.notes.append(f"removed the half-started group ({gone or 'nothing left'})")
     try:
         create_markdown_artifact(
             render_markdown(summary),
-            key=f"{summary.cluster}-summary",
+            key=artifact_key(summary.cluster, "summary"),
             description="what the redeploy did before it failed",
         )
     except Exception as exc:  # the failure itself must still be reported and raised
-        log().warning("could not write the summary: %s", exc)
-    emit_event(
-        "vllm.cluster.failed",
-        resource={"prefect.resource.id": f"vllm-redeploy.cluster.{run.config.name}"},
-        payload={"step": step, "reason": reason[:2000]},
-    )
+        log().warning("could not write the summary: %s", one_line(exc))
+    try:
+        emit_event(**failed_event(run.config.name, step, one_line(reason)))
+    except Exception as exc:
+        log().warning("could not emit the failure event: %s", one_line(exc))
 
 
 if __name__ == "__main__":

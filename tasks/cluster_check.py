@@ -12,6 +12,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import RETRY_TRANSIENT, Run, StepFailed, log
+from vllm_redeploy.nodes import CommandError
 from vllm_redeploy.plan import (
     RayMember,
     membership_problems,
@@ -20,7 +21,7 @@ from vllm_redeploy.plan import (
     ray_members_argv,
 )
 from vllm_redeploy.ray_log import wait_ray_started
-from vllm_redeploy.safe_text import block
+from vllm_redeploy.safe_text import block, one_line
 
 STEP = "cluster-check"
 POLL_S = 0.1
@@ -30,9 +31,18 @@ LOOK_EVERY_S = 3.0
 
 
 def ray_members(run: Run) -> list[RayMember]:
+    """Ray's own member list; a script that fails or prints no member list is "could not
+    check" (a StepFailed), never an empty cluster."""
     runner = run.head.docker.exec_runner(ray_container(run.config))
-    result = runner.run(ray_members_argv(run.config), timeout=60)
-    return parse_members(result.stdout)
+    try:
+        result = runner.run(ray_members_argv(run.config), timeout=60)
+        return parse_members(result.stdout)
+    except (CommandError, ValueError, KeyError, TypeError) as exc:
+        raise StepFailed(
+            STEP,
+            f"could not check Ray's members on {run.config.head.name}: "
+            + (str(exc) if isinstance(exc, CommandError) else one_line(exc)),
+        ) from None
 
 
 # Not cached: membership is only true now.

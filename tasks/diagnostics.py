@@ -9,6 +9,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import Run
+from vllm_redeploy.names import artifact_key
 from vllm_redeploy.nodes import NodeAccess, RemoteError, fan_out
 from vllm_redeploy.nodes.docker import cluster_labels
 from vllm_redeploy.nodes.result import MASK
@@ -78,7 +79,7 @@ def collect_diagnostics(run: Run, step: str, reason: str) -> str:
         text = text.replace(secret, MASK)
     create_markdown_artifact(
         text,
-        key=f"{run.config.name}-diagnostics",
+        key=artifact_key(run.config.name, "diagnostics"),
         description="state of every node when the run failed",
     )
     return text

@@ -13,6 +13,8 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.context import RETRY_TRANSIENT, Run, StepFailed, log
 from vllm_redeploy.gpus import GpuReport, inspect_gpus
+from vllm_redeploy.nodes import CommandError
+from vllm_redeploy.safe_text import one_line
 
 STEP = "gpus-clear"
 RECHECK_S = 1.0
@@ -29,7 +31,14 @@ def wait_gpus_clear(run: Run, name: str) -> GpuReport:
     grace = run.config.deadlines.gpu_release_s
     deadline = time.monotonic() + grace
     while True:
-        report = inspect_gpus(name, run.node(name).runner)
+        try:
+            report = inspect_gpus(name, run.node(name).runner)
+        except (CommandError, ValueError) as exc:  # never "clear" when we could not look
+            raise StepFailed(
+                STEP,
+                f"could not check the GPUs on {name} (is the NVIDIA driver loaded, and "
+                f"nvidia-smi on the login user's PATH?): {_said(exc)}",
+            ) from None
         if report.clear:
             log().info(report.summary())
             _warn_low_memory(run, report)
@@ -42,6 +51,12 @@ def wait_gpus_clear(run: Run, name: str) -> GpuReport:
                 "container or unit to [autostart]",
             )
         time.sleep(RECHECK_S)
+
+
+def _said(exc: Exception) -> str:
+    """A command's failure as it already reads (one line, then its output indented), or a
+    parser's complaint on one line."""
+    return str(exc) if isinstance(exc, CommandError) else one_line(exc)
 
 
 def _warn_low_memory(run: Run, report: GpuReport) -> None:

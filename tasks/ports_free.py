@@ -10,7 +10,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import RETRY_TRANSIENT, Run, StepFailed, log
-from vllm_redeploy.safe_text import shown
+from vllm_redeploy.safe_text import one_line, shown
 
 STEP = "ports-free"
 RECHECK_S = 0.5
@@ -44,8 +44,14 @@ def busy_ports(run: Run) -> list[str]:
     ports = {config.vllm.port: "API port", config.ray.port: "Ray port"}
     query = " or ".join(f"sport = :{port}" for port in ports)
     result = run.head.runner.run(["ss", "-Hltnp", f"( {query} )"], check=False)
-    if not result.ok:
-        return []
+    if not result.ok:  # never "free" when we could not look
+        why = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise StepFailed(
+            STEP,
+            f"could not check the API and Ray ports on {config.head.name}: `ss` exited with "
+            f"code {result.exit_code} ({one_line(why[0])}); it comes with iproute2: install it "
+            "on the node",
+        )
     busy = []
     for port, label in ports.items():
         lines = [x for x in result.stdout.splitlines() if _listens(x, config.head.ip, port)]

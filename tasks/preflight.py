@@ -13,6 +13,7 @@ from prefect.cache_policies import INPUTS, RUN_ID
 from tasks.context import RETRY_TRANSIENT, Run, StepFailed, log
 from vllm_redeploy.nodes import AuthenticationFailed, HostKeyRejected, NodeUnreachable
 from vllm_redeploy.plan import ray_container, ray_spec
+from vllm_redeploy.safe_text import one_line
 
 STEP = "preflight"
 REACH_POLL_S = 2.0
@@ -81,7 +82,16 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
     # whether the node still owns its fabric IP ("local ..." when it does).
     ip = run.node_config(name).ip
     route = access.runner.run(["ip", "route", "get", ip], check=False)
-    local = route.ok and route.stdout.startswith("local ")
+    # "Network is unreachable" (exit 2) is an answer: no address of the node is on that net.
+    # A missing or broken `ip` is none: say so, never guess.
+    if route.exit_code in (126, 127):
+        why = (route.stderr or route.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise StepFailed(
+            STEP,
+            f"could not check the fabric IP {ip} on {name}: `ip route get` exited with code "
+            f"{route.exit_code} ({one_line(why[0])}); it comes with iproute2: install it",
+        )
+    local = route.stdout.startswith("local ")
     ray_path = ray_check.result() if ray_check else None
     return NodeFacts(
         name, version, image_id, model.ok, ray_path, waited, local, ray_check is not None

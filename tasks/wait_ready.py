@@ -17,6 +17,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.context import Run, StepFailed, log
 from vllm_redeploy.endpoint import api_base, engine_version, list_models
+from vllm_redeploy.names import artifact_key
 from vllm_redeploy.nodes import RemoteError, fan_out
 from vllm_redeploy.parsers.vllm_log import LoadProgress, last_load_progress
 from vllm_redeploy.plan import engine_container, ray_container
@@ -49,7 +50,9 @@ def wait_until_ready(run: Run) -> Ready:
     deadline_s = config.deadlines.model_load_s
     started = time.monotonic()
     progress_id = create_progress_artifact(
-        0.0, key=f"{config.name}-load", description=f"Loading {want} on {config.head.name}"
+        0.0,
+        key=artifact_key(config.name, "load"),
+        description=f"Loading {want} on {config.head.name}",
     )
     last_progress = 0.0
     last_load: LoadProgress | None = None

@@ -282,6 +282,22 @@ class DeadlinesConfig(_Section):
     )
 
 
+class LockConfig(_Section):
+    wait_s: Seconds = Field(
+        7200,
+        description="How long a run waits while another run of this cluster holds it (nightly, "
+        "after-reboot and manual runs queue one after another) before it fails saying so.",
+    )
+    lease_s: float = Field(
+        120,
+        ge=60,
+        le=86400,
+        description="A run renews its hold on the cluster every 3/4 of this; one that dies "
+        "(its controller killed) frees the cluster this long after its last renewal. "
+        "Prefect's minimum is 60 s.",
+    )
+
+
 class ProbeConfig(_Section):
     prompt: str = Field("Say hello in one sentence.", min_length=1, description="Sanity prompt.")
     max_tokens: int = Field(50, ge=1, description="Token budget of the probe.")
@@ -347,6 +363,7 @@ class ClusterConfig(BaseSettings):
     ray: RayConfig = Field(default_factory=RayConfig)
     autostart: AutostartConfig = Field(default_factory=AutostartConfig)
     deadlines: DeadlinesConfig = Field(default_factory=DeadlinesConfig)
+    lock: LockConfig = Field(default_factory=LockConfig)
     probe: ProbeConfig = Field(default_factory=ProbeConfig)
     webhook: WebhookConfig = Field(default_factory=WebhookConfig)
     secrets: SecretsConfig = Field(default_factory=SecretsConfig)

@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 
 from vllm_redeploy.config import ClusterConfig, NodeConfig
+from vllm_redeploy.names import container_name
 from vllm_redeploy.nodes.docker import ContainerSpec, project_labels
 
 RAY_ROLE = "ray"
@@ -31,15 +32,15 @@ PER_NODE_VARS = (
 
 
 def ray_container(config: ClusterConfig) -> str:
-    return f"vllm-redeploy-{config.name}-ray"
+    return container_name(config.name, RAY_ROLE)
 
 
 def engine_container(config: ClusterConfig) -> str:
-    return f"vllm-redeploy-{config.name}-engine"
+    return container_name(config.name, ENGINE_ROLE)
 
 
 def ray_volume(config: ClusterConfig) -> str:
-    return f"vllm-redeploy-{config.name}-ray-tmp"
+    return container_name(config.name, "ray-tmp")
 
 
 def node_env(node: NodeConfig, config: ClusterConfig) -> dict[str, str]:

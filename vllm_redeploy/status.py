@@ -1,8 +1,10 @@
-"""`vllm-redeploy status`: the deployment as it is now, on one screen. No Prefect here (fast).
+"""The deployment as it is now, and the one judgement of its health. No Prefect here (fast).
 
 Every node is contacted in parallel (reachable, SSH round trip, our containers by label, who holds
 the GPU; on the head also the Ray membership), while the endpoint is asked for its models, health
-and version and given a fresh probe. ``healthy`` is the verdict the exit code follows.
+and version and given a fresh probe. ``judge`` turns that into problems; no problem is healthy.
+`vllm-redeploy status` shows it, `ensure` redeploys unless it is healthy: both read
+``collect_status``, so they agree on every fault.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from vllm_redeploy.nodes import NodeAccess, RemoteError, fan_out
 from vllm_redeploy.nodes.docker import LABEL_ROLE, cluster_labels
 from vllm_redeploy.plan import (
     ENGINE_ROLE,
+    LABEL_LAUNCH,
     RayMember,
     engine_container,
+    launch_fingerprint,
     membership_problems,
     parse_members,
     ray_container,
@@ -44,6 +48,7 @@ class ContainerStatus:
     running: bool
     uptime_s: float | None = None
     exit_code: int | None = None
+    launch: str | None = None  # the launch fingerprint it was started with (the engine's)
 
 
 @dataclass(frozen=True)
@@ -142,7 +147,8 @@ def collect_status(config: ClusterConfig) -> ClusterStatus:
                     ray = members
             else:
                 nodes.append(_unreachable(node, config, str(outcome.error)))
-        return _judge(config, nodes, ray, endpoint.result())
+        answered = endpoint.result()
+        return ClusterStatus(config.name, nodes, ray, answered, judge(config, nodes, ray, answered))
 
 
 def _node_status(node: NodeConfig, config: ClusterConfig) -> tuple[NodeStatus, RayStatus | None]:
@@ -188,6 +194,7 @@ def _containers(
             c.running,
             max(0.0, round((now - c.started_at).total_seconds(), 1)) if c.started_at else None,
             c.exit_code,
+            c.labels.get(LABEL_LAUNCH),
         )
         for c in sorted(found, key=lambda c: c.name)
     ]
@@ -236,9 +243,10 @@ def check_endpoint(config: ClusterConfig) -> EndpointStatus:
     return EndpointStatus(f"{base}/v1", want, models, models_error, health, version, verdict)
 
 
-def _judge(
+def judge(
     config: ClusterConfig, nodes: list[NodeStatus], ray: RayStatus, endpoint: EndpointStatus
-) -> ClusterStatus:
+) -> list[str]:
+    """What keeps the deployment from being whole, healthy and as configured (empty: healthy)."""
     problems = []
     engine_name = engine_container(config)
     ray_name = ray_container(config)
@@ -254,6 +262,12 @@ def _judge(
             problems.append(f"the Ray container on {node.name} is not running")
         if node.role == "head" and engine_name not in running:
             problems.append(f"the vLLM engine is not running on {node.name}")
+        engine = next((c for c in node.containers if c.name == engine_name and c.running), None)
+        if engine is not None and engine.launch != launch_fingerprint(config):
+            problems.append(
+                f"the engine on {node.name} runs with other settings than the configuration's "
+                "(it changed since the launch)"
+            )
     problems += ray.problems
     if endpoint.models is None:
         problems.append(f"{endpoint.url}/models does not answer: {endpoint.models_error}")
@@ -264,7 +278,7 @@ def _judge(
         problems.append(f"/health answered {endpoint.health or 'nothing'}")
     if not endpoint.probe.healthy and endpoint.models is not None:
         problems.append(f"the probe failed: {endpoint.probe.detail}")
-    return ClusterStatus(config.name, nodes, ray, endpoint, problems)
+    return problems
 
 
 def duration(seconds: float | None) -> str:

@@ -1,0 +1,82 @@
+"""Every event this project emits, built in one place, so automations can match them all alike.
+
+Each event's resource carries the label ``vllm-redeploy.cluster`` (and ``vllm-redeploy.node`` for a
+node's events): an automation matches one cluster's reboots, failures and recoveries the same way.
+
+- ``vllm.node.rebooted`` (the webhook, from a node's notifier): resource
+  ``vllm-redeploy.node.<cluster>.<node>``; its id derives from cluster, node and boot id, so a
+  notifier that retries the same boot yields one event (Prefect drops an id it has seen).
+- ``vllm.cluster.ready`` / ``vllm.cluster.failed`` (the end of every run): resource
+  ``vllm-redeploy.cluster.<cluster>``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from vllm_redeploy import PROJECT
+from vllm_redeploy.names import cluster_resource_id
+
+EVENT_REBOOTED = "vllm.node.rebooted"
+EVENT_READY = "vllm.cluster.ready"
+EVENT_FAILED = "vllm.cluster.failed"
+# Fixed for the life of the project: changing it changes every event id.
+EVENT_NAMESPACE = uuid.UUID("d804102c-4dc8-43d6-90c1-37516ff2ad60")
+LABEL_CLUSTER = f"{PROJECT}.cluster"
+LABEL_NODE = f"{PROJECT}.node"
+REASON_CHARS = 2000
+
+
+def node_resource_id(cluster: str, node: str) -> str:
+    """The ``prefect.resource.id`` of a node, e.g. ``vllm-redeploy.node.bed.node-1``."""
+    return f"{PROJECT}.node.{cluster}.{node}"
+
+
+def cluster_resource(cluster: str) -> dict[str, str]:
+    """The resource of a cluster's own events."""
+    return {
+        "prefect.resource.id": cluster_resource_id(cluster),
+        "prefect.resource.name": cluster,
+        LABEL_CLUSTER: cluster,
+    }
+
+
+def reboot_event_id(cluster: str, node: str, boot_id: str) -> str:
+    """The same boot of the same node always gives the same event id."""
+    return str(uuid.uuid5(EVENT_NAMESPACE, f"{cluster}/{node}/{boot_id}"))
+
+
+def reboot_event(cluster: str, node: str, boot_id: str, uptime_s: float) -> dict[str, Any]:
+    """A Prefect event saying that ``node`` of ``cluster`` booted (``boot_id``)."""
+    return {
+        "id": reboot_event_id(cluster, node, boot_id),
+        "event": EVENT_REBOOTED,
+        "occurred": datetime.now(UTC).isoformat(),
+        "resource": {
+            "prefect.resource.id": node_resource_id(cluster, node),
+            "prefect.resource.name": node,
+            LABEL_CLUSTER: cluster,
+            LABEL_NODE: node,
+        },
+        "payload": {"boot_id": boot_id, "uptime_s": uptime_s},
+    }
+
+
+def ready_event(cluster: str, mode: str, action: str, steps: dict[str, float]) -> dict[str, Any]:
+    """Arguments of ``prefect.events.emit_event`` for a run that ended with the model serving."""
+    return {
+        "event": EVENT_READY,
+        "resource": cluster_resource(cluster),
+        "payload": {"mode": mode, "action": action, "steps": steps},
+    }
+
+
+def failed_event(cluster: str, step: str, reason: str) -> dict[str, Any]:
+    """Arguments of ``prefect.events.emit_event`` for a run that failed at ``step``."""
+    return {
+        "event": EVENT_FAILED,
+        "resource": cluster_resource(cluster),
+        "payload": {"step": step, "reason": reason[:REASON_CHARS]},
+    }
