@@ -20,9 +20,11 @@ from vllm_redeploy.plan import engine_container, engine_spec, ray_container, ray
 
 def docker_run(spec: ContainerSpec) -> str:
     """``spec`` as the `docker run` line the flow's Docker SDK call amounts to."""
-    if spec.entrypoint is not None:
+    if spec.entrypoint is not None and len(spec.entrypoint) != 1:
         raise ValueError(f"{spec.name}: an entrypoint list has no docker CLI equivalent here")
     argv = ["docker", "run", "-d", "--name", spec.name, "--network", "host", "--ipc", "host"]
+    if spec.entrypoint:
+        argv += ["--entrypoint", spec.entrypoint[0]]
     argv += ["--restart", "no"]
     if spec.pid_mode:
         argv += ["--pid", spec.pid_mode]
@@ -30,6 +32,14 @@ def docker_run(spec: ContainerSpec) -> str:
         argv += ["--shm-size", spec.shm_size]
     if spec.gpus is not None:
         argv += ["--gpus", "all" if spec.gpus < 0 else str(spec.gpus)]
+    for device in spec.devices:
+        argv += ["--device", device]
+    for capability in spec.cap_add:
+        argv += ["--cap-add", capability]
+    for name, value in spec.ulimits.items():
+        argv += ["--ulimit", f"{name}={value}:{value}"]
+    if spec.privileged:
+        argv.append("--privileged")
     for key, value in spec.env.items():
         argv += ["-e", f"{key}={value}"]
     for volume in spec.volumes:

@@ -13,8 +13,10 @@ import posixpath
 from dataclasses import dataclass
 from pathlib import Path
 
+from vllm_redeploy import PROJECT
 from vllm_redeploy.config import ClusterConfig
-from vllm_redeploy.nodes import NodeAccess, RemoteError, Runner
+from vllm_redeploy.nodes import NodeAccess, NodeDocker, RemoteError, Runner
+from vllm_redeploy.nodes.docker import LABEL_MANAGED
 
 UNIT_NAME = "vllm-redeploy-notify.service"
 SCRIPT_PATH = "usr/local/lib/vllm-redeploy/notify.py"
@@ -130,10 +132,28 @@ def install_notifier(
         return _install(runner, files, enable)
     node = next(n for n in config.nodes if n.name == node_name)
     with NodeAccess(node, config) as access:
-        return _install(access.runner, files, enable)
+        return _install(access.runner, files, enable, reload_risk(access.docker))
 
 
-def _install(runner: Runner, files: list[NotifierFile], enable: bool) -> list[str]:
+def reload_risk(docker: NodeDocker) -> str | None:
+    """Why reloading systemd on this node now would harm it, or None. Under Docker's systemd
+    cgroup driver a `systemctl daemon-reload` takes the GPUs from running containers
+    (nvidia-container-toolkit#48): never while a model of ours serves there."""
+    driver = docker.cgroup_driver()
+    if driver == "cgroupfs":
+        return None
+    serving = [c.name for c in docker.list_containers(labels={LABEL_MANAGED: PROJECT}) if c.running]
+    if not serving:
+        return None
+    return (
+        f"Docker there uses the {driver or 'unknown'} cgroup driver and {', '.join(serving)} "
+        "run: a daemon-reload would take their GPUs (nvidia-container-toolkit#48)"
+    )
+
+
+def _install(
+    runner: Runner, files: list[NotifierFile], enable: bool, risk: str | None = None
+) -> list[str]:
     sudo, lines = _privilege(runner)
 
     def run(*argv: str, stdin: bytes | None = None, check: bool = True) -> str:
@@ -163,13 +183,19 @@ def _install(runner: Runner, files: list[NotifierFile], enable: bool) -> list[st
     if not enable:
         lines.append("unit not enabled (enable=False)")
         return lines
-    if unit_changed:
+    if unit_changed and risk is None:
         run("systemctl", "daemon-reload")
         lines.append("systemd reloaded")
+    elif unit_changed:
+        lines.append(
+            f"systemd NOT reloaded ({risk}); the notifier runs at boot, so it takes effect at "
+            "the next boot; or run `systemctl daemon-reload` there while the group is down"
+        )
     if run("systemctl", "is-enabled", UNIT_NAME, check=False).strip() == "enabled":
         lines.append("unit already enabled")
     else:
-        run("systemctl", "enable", UNIT_NAME)
+        # --no-reload: `enable` would reload systemd itself otherwise (see reload_risk).
+        run("systemctl", "enable", "--no-reload", UNIT_NAME)
         lines.append("unit enabled")
     return lines
 

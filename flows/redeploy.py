@@ -2,15 +2,17 @@
 
 Whole run: hold the cluster, so no other run of it (nightly, after-reboot, manual) touches
 its nodes meanwhile.
-0. Preflight: every node reachable (late ones waited for), Docker, image, model, Ray, fabric IP.
+0. Preflight: every node reachable (late ones waited for), Docker, image, model, fabric IP and
+   fabric (interfaces, RDMA HCAs); pick the launch backend from what the image holds.
 1. Stop what auto-starts at boot (units, containers) and our own earlier containers.
-2. Make sure every GPU is free, and the head's API and Ray ports.
-3. Start the Ray head, pinned to the head's fabric IP.
-4. Join the workers, each pinned to its own fabric IP.
-5. Check that Ray sees every node and every GPU.
-6. Launch `vllm serve` across the cluster.
-7. Wait while the weights load, until /v1/models names our model (or the engine dies).
-8. Probe: one chat completion, judged the way a reasoning model answers.
+2. Make sure every GPU is free, the memory vLLM will ask for (page cache dropped on unified
+   memory), and the head's ports.
+3-6. Launch the group. Ray backend: start the Ray head, join the workers (each pinned to its
+   fabric IP), check that Ray sees every node and GPU, launch `vllm serve` on the head. mp
+   backend (vLLM's own launcher, no Ray): launch the followers, then the leader.
+7. Wait while the weights load, until /v1/models names our model (or a member dies).
+8. Prove the transport: NCCL used RDMA between the nodes (else fail when it is required).
+9. Probe: one chat completion, judged the way a reasoning model answers.
 
 ``ensure`` first checks the running deployment and changes nothing if it is whole and healthy.
 """
@@ -33,13 +35,17 @@ from tasks.context import Run, StepFailed, log
 from tasks.diagnostics import collect_diagnostics
 from tasks.gpus_clear import wait_gpus_clear
 from tasks.inspect_deployment import inspect_deployment
+from tasks.launch_followers import launch_follower
+from tasks.launch_leader import launch_leader
 from tasks.launch_vllm import launch_vllm
+from tasks.memory import make_memory_free
 from tasks.ports_free import wait_ports_free
 from tasks.preflight import judge_preflight, preflight_node
 from tasks.probe import probe_model
 from tasks.ray_start import join_worker, start_ray_head
 from tasks.stop_autostart import stop_autostart
 from tasks.teardown import teardown_group
+from tasks.transport import half_bandwidth, prove_transport
 from tasks.wait_ready import wait_until_ready
 from vllm_redeploy.config import ConfigError, load_config
 from vllm_redeploy.endpoint import api_base
@@ -50,7 +56,8 @@ from vllm_redeploy.safe_text import one_line, shown
 from vllm_redeploy.summary import RunSummary, StepEvent, render_markdown, report
 
 Mode = Literal["redeploy", "ensure"]
-LAUNCHES = "ray-head"  # the first step that starts something a failed run must remove
+# The steps that start what a failed run must remove.
+LAUNCHES = {"ray-head", "launch-followers", "launch-leader"}
 
 
 class Steps:
@@ -89,9 +96,9 @@ class Steps:
         report(StepEvent(name, "running"))
 
 
-def per_node(task: Any, run: Run, names: list[str]) -> list[Any]:
+def per_node(task: Any, run: Run, names: list[str], *args: Any) -> list[Any]:
     """Run a per-node task on every named node in parallel; raise the first failure."""
-    futures = [task.submit(run, name) for name in names]
+    futures = [task.submit(run, name, *args) for name in names]
     wait(futures)
     return [f.result() for f in futures]
 
@@ -155,16 +162,28 @@ def _runbook(run: Run, mode: Mode, step: Steps) -> dict[str, Any]:
         summary.notes.append(f"redeploying: {health.reason}")
     facts = step("preflight", per_node, preflight_node, run, nodes)
     summary.image_id = next((f.image_id for f in facts if f.image_id), None)
-    judge_preflight(run, facts)
+    plan = judge_preflight(run, facts)
+    summary.backend = plan.reason
+    summary.notes += [note for f in facts for note in f.notes]
     summary.stopped = step("stop-autostart", per_node, stop_autostart, run, nodes)
     summary.gpus = step("gpus-clear", per_node, wait_gpus_clear, run, nodes)
-    step("ports-free", wait_ports_free, run)
-    step("ray-head", start_ray_head, run, config.head.name)
-    step("join-workers", per_node, join_worker, run, [w.name for w in config.workers])
-    summary.members = step("cluster-check", check_ray_cluster, run)
-    step("launch-vllm", launch_vllm, run)
-    ready = step("wait-ready", wait_until_ready, run)
+    gpus = {g.node: g for g in summary.gpus}
+    summary.memory = step("memory", per_node, make_memory_free, run, nodes, gpus)
+    step("ports-free", wait_ports_free, run, plan)
+    followers = [m.node for m in plan.phase(0)]
+    if plan.backend == "ray":
+        step("ray-head", start_ray_head, run, config.head.name, plan)
+        step("join-workers", per_node, join_worker, run, [w.name for w in config.workers], plan)
+        summary.members = step("cluster-check", check_ray_cluster, run)
+        step("launch-vllm", launch_vllm, run, plan)
+    else:
+        step("launch-followers", per_node, launch_follower, run, followers, plan)
+        step("launch-leader", launch_leader, run, plan)
+    ready = step("wait-ready", wait_until_ready, run, plan)
     summary.load_s, summary.vllm_version = ready.waited_s, ready.version
+    if len(config.nodes) > 1:
+        summary.transport = step("transport", prove_transport, run, plan)
+        summary.notes += half_bandwidth(plan, summary.transport)
     summary.probe = step("probe", probe_model, run)
     return _finish(summary)
 
@@ -189,7 +208,10 @@ def _finish(summary: RunSummary) -> dict[str, Any]:
         key=artifact_key(summary.cluster, "summary"),
         description="what the redeploy did",
     )
-    emit_event(**ready_event(summary.cluster, summary.mode, summary.action, summary.steps))
+    transport = summary.transport.as_dict() if summary.transport else None
+    emit_event(
+        **ready_event(summary.cluster, summary.mode, summary.action, summary.steps, transport)
+    )
     return {
         "cluster": summary.cluster,
         "mode": summary.mode,
@@ -209,7 +231,7 @@ def _fail(
     log().error("failed at %s: %s", step, reason)
     if reason.startswith("unexpected error"):
         log().error("the unexpected error's traceback", exc_info=True)
-    tear_down = LAUNCHES in steps.started and not keep_on_failure
+    tear_down = bool(LAUNCHES & set(steps.started)) and not keep_on_failure
     report(StepEvent(step, "failed", summary.steps.get(step), reason))
     summary.action, summary.failed_step, summary.failure = f"failed at {step}", step, reason
     try:

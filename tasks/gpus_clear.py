@@ -41,7 +41,6 @@ def wait_gpus_clear(run: Run, name: str) -> GpuReport:
             ) from None
         if report.clear:
             log().info(report.summary())
-            _warn_low_memory(run, report)
             return report
         if time.monotonic() >= deadline:
             raise StepFailed(
@@ -57,19 +56,3 @@ def _said(exc: Exception) -> str:
     """A command's failure as it already reads (one line, then its output indented), or a
     parser's complaint on one line."""
     return str(exc) if isinstance(exc, CommandError) else one_line(exc)
-
-
-def _warn_low_memory(run: Run, report: GpuReport) -> None:
-    """On unified memory vLLM needs MemAvailable >= utilization x total; page cache counts."""
-    util = run.config.vllm.gpu_memory_utilization or 0.9
-    available, total = report.mem_available_mib, report.mem_total_mib
-    if report.unified_memory and available and total and available < util * total:
-        log().warning(
-            "%s: MemAvailable %.1f GiB is below gpu_memory_utilization %.2f of %.1f GiB; "
-            "vLLM may refuse to start (drop the page cache: sync; echo 3 > "
-            "/proc/sys/vm/drop_caches)",
-            report.node,
-            report.mem_available_mib / 1024,
-            util,
-            report.mem_total_mib / 1024,
-        )

@@ -10,6 +10,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import RETRY_TRANSIENT, Run, StepFailed, log
+from vllm_redeploy.plan import LaunchPlan
 from vllm_redeploy.safe_text import one_line, shown
 
 STEP = "ports-free"
@@ -18,12 +19,12 @@ RECHECK_S = 0.5
 
 # Not cached: the answer is only true now.
 @task(name="ports-free", cache_policy=NO_CACHE, **RETRY_TRANSIENT)
-def wait_ports_free(run: Run) -> None:
+def wait_ports_free(run: Run, plan: LaunchPlan) -> None:
     """Wait (as long as GPUs get to be released) until the head's ports are free."""
     grace = run.config.deadlines.gpu_release_s
     deadline = time.monotonic() + grace
     while True:
-        busy = busy_ports(run)
+        busy = busy_ports(run, plan)
         if not busy:
             return
         if time.monotonic() >= deadline:
@@ -38,17 +39,22 @@ def wait_ports_free(run: Run) -> None:
         time.sleep(RECHECK_S)
 
 
-def busy_ports(run: Run) -> list[str]:
-    """The head's API and Ray ports that something listens on, with its owner where visible."""
+def busy_ports(run: Run, plan: LaunchPlan) -> list[str]:
+    """The head's API port and the backend's port (Ray's, or the mp rendezvous) that something
+    listens on, with its owner where visible."""
     config = run.config
-    ports = {config.vllm.port: "API port", config.ray.port: "Ray port"}
+    ports = {config.vllm.port: "API port"}
+    if plan.backend == "ray":
+        ports[config.ray.port] = "Ray port"
+    elif len(config.nodes) > 1:
+        ports[config.vllm.master_port] = "rendezvous (master) port"
     query = " or ".join(f"sport = :{port}" for port in ports)
     result = run.head.runner.run(["ss", "-Hltnp", f"( {query} )"], check=False)
     if not result.ok:  # never "free" when we could not look
         why = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
         raise StepFailed(
             STEP,
-            f"could not check the API and Ray ports on {config.head.name}: `ss` exited with "
+            f"could not check the head's ports on {config.head.name}: `ss` exited with "
             f"code {result.exit_code} ({one_line(why[0])}); it comes with iproute2: install it "
             "on the node",
         )

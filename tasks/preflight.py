@@ -1,18 +1,27 @@
 """Step 0, preflight: every node reachable (waiting for late ones), Docker up, the same image,
-the model directory, Ray in the image, and each node's fabric IP."""
+the model directory and its weights, Ray in the image, each node's fabric IP and fabric (its
+interfaces, RDMA HCAs and devices). ``judge_preflight`` then picks the launch backend and
+builds the launch plan from what was found."""
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from prefect import task
 from prefect.cache_policies import INPUTS, RUN_ID
 
 from tasks.context import RETRY_TRANSIENT, Run, StepFailed, log
-from vllm_redeploy.nodes import AuthenticationFailed, HostKeyRejected, NodeUnreachable
-from vllm_redeploy.plan import ray_container, ray_spec
+from vllm_redeploy.nodes import (
+    AuthenticationFailed,
+    HostKeyRejected,
+    NodeAccess,
+    NodeUnreachable,
+)
+from vllm_redeploy.parsers.fabric import FABRIC_ARGV, FabricFacts, parse_fabric
+from vllm_redeploy.plan import LaunchPlan, NodeFabric, ray_check_spec, ray_plan
+from vllm_redeploy.plan_mp import mp_plan
 from vllm_redeploy.safe_text import one_line
 
 STEP = "preflight"
@@ -26,10 +35,17 @@ class NodeFacts:
     docker_version: str
     image_id: str | None
     model_present: bool
-    ray_path: str | None  # where `ray` is in the image; None when it is not there
+    ray_path: str | None  # where `ray` is in the image; None when Ray does not run there
     waited_s: float
     fabric_ip_local: bool = True
     ray_checked: bool = True  # the image was checked for Ray on this node (the head only)
+    fabric: FabricFacts | None = None
+    weights_bytes: int | None = None  # the model directory's safetensors, in all
+
+    @property
+    def notes(self) -> list[str]:
+        """What people should know about the node that does not stop the run."""
+        return [f"{self.node}: {p}" for p in (self.fabric.problems() if self.fabric else ())]
 
 
 def wait_reachable(run: Run, name: str) -> float:
@@ -74,7 +90,7 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
     # container takes the longest of all checks.
     background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="preflight")
     ray_check = None
-    if image_id is not None and name == config.head.name:
+    if image_id is not None and name == config.head.name and config.vllm.backend != "mp":
         ray_check = background.submit(_ray_in_image, run, name)
     background.shutdown(wait=False)
     model = access.runner.run(["test", "-d", config.vllm.model], check=False)
@@ -92,30 +108,43 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
             f"{route.exit_code} ({one_line(why[0])}); it comes with iproute2: install it",
         )
     local = route.stdout.startswith("local ")
+    fabric = parse_fabric(access.runner.run(list(FABRIC_ARGV), check=False).stdout, ip)
     ray_path = ray_check.result() if ray_check else None
     return NodeFacts(
-        name, version, image_id, model.ok, ray_path, waited, local, ray_check is not None
+        name,
+        version,
+        image_id,
+        model.ok,
+        ray_path,
+        waited,
+        local,
+        ray_check is not None,
+        fabric,
+        _weights_bytes(access, config.vllm.model) if model.ok else None,
     )
+
+
+def _weights_bytes(access: NodeAccess, model: str) -> int | None:
+    """The size of the model's safetensors files (the weights every node loads a share of)."""
+    found = access.runner.run(
+        ["find", model, "-maxdepth", "2", "-name", "*.safetensors", "-printf", "%s\\n"],
+        check=False,
+    )
+    sizes = [int(line) for line in found.stdout.split() if line.isdigit()]
+    return sum(sizes) if found.ok and sizes else None
 
 
 def _ray_in_image(run: Run, name: str) -> str | None:
-    """Where `ray` is in the image, or None when it is not there."""
-    config = run.config
-    check = replace(
-        ray_spec(config.nodes[0], config),
-        name=f"{ray_container(config)}-check",
-        command=["sh", "-c", "command -v ray"],
-        volumes=list(config.vllm.volumes),
-        gpus=None,
-    )
+    """Where `ray` is in the image when Ray runs there, else None."""
+    check = ray_check_spec(run.config)
     code, output = run.node(name).docker.run_to_completion(check, RAY_CHECK_TIMEOUT_S)
-    if code == 0 and output.strip():
-        return output.strip().splitlines()[-1]
-    return None
+    lines = output.strip().splitlines()
+    return lines[0] if code == 0 and lines else None
 
 
-def judge_preflight(run: Run, facts: list[NodeFacts]) -> None:
-    """Fail naming every node that is not ready to take the deployment."""
+def judge_preflight(run: Run, facts: list[NodeFacts]) -> LaunchPlan:
+    """Fail naming every node that is not ready to take the deployment; else the launch plan,
+    with the backend chosen from what the image holds (``[vllm] backend``)."""
     config = run.config
     problems = []
     for f in facts:
@@ -124,11 +153,15 @@ def judge_preflight(run: Run, facts: list[NodeFacts]) -> None:
                 f"{f.node}: image {config.vllm.image} is not on the node "
                 "(docker pull it there, or docker save | docker load from another node)"
             )
-        elif f.ray_checked and f.ray_path is None:
+        elif f.ray_checked and f.ray_path is None and config.vllm.backend == "ray":
             problems.append(
-                f"{f.node}: `ray` does not run in image {config.vllm.image}; vLLM images since "
-                "0.18 do not bundle Ray: use an image that installs it"
+                f"{f.node}: `ray` does not run in image {config.vllm.image} (backend = "
+                '"ray"); vLLM images since 0.18 do not bundle Ray: set backend = "mp" (vLLM\'s '
+                "own multi-node launcher, no Ray needed), or use an image that carries Ray "
+                "(vLLM 0.17 or older, or one built FROM yours with `pip install ray[default]`)"
             )
+        if f.fabric is not None and not f.fabric.rdma_checked:
+            problems.append(f"{f.node}: {'; '.join(f.fabric.problems())}")
         if not f.fabric_ip_local:
             ip = run.node_config(f.node).ip
             problems.append(
@@ -147,3 +180,18 @@ def judge_preflight(run: Run, facts: list[NodeFacts]) -> None:
     if problems:
         raise StepFailed(STEP, "; ".join(problems))
     log().info("preflight ok: %s", ", ".join(f"{f.node} docker {f.docker_version}" for f in facts))
+    fabric = {
+        f.node: NodeFabric.of(f.fabric, run.node_config(f.node), config)
+        for f in facts
+        if f.fabric is not None
+    }
+    ray_path = next(f.ray_path for f in facts if f.node == config.head.name)
+    backend = config.vllm.backend
+    if backend == "mp" or (backend == "auto" and ray_path is None):
+        why = "configured" if backend == "mp" else "the image carries no Ray"
+        plan = mp_plan(config, fabric, f"mp ({why}; vLLM's own multi-node launcher)")
+    else:
+        why = "configured" if backend == "ray" else f"the image carries Ray at {ray_path}"
+        plan = ray_plan(config, fabric, f"ray ({why})")
+    log().info("launch backend: %s", plan.reason)
+    return plan

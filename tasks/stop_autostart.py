@@ -56,7 +56,9 @@ def stop_autostart(run: Run, name: str) -> StopReport:
         if config.autostart.disable_units:
             enabled = access.runner.run(["systemctl", "is-enabled", unit], check=False)
             if enabled.stdout.strip() == "enabled":
-                access.runner.run(["systemctl", "disable", unit], timeout=60)
+                # --no-reload: `disable` reloads systemd itself, which under Docker's systemd
+                # cgroup driver takes the GPUs from every running container on the node.
+                access.runner.run(["systemctl", "disable", "--no-reload", unit], timeout=60)
                 disabled.append(unit)
     old = access.docker.list_containers(config.autostart.containers)
     ours = access.docker.list_containers(labels=cluster_labels(config.name))

@@ -1,14 +1,19 @@
-"""Step 7, wait for ready: until /v1/models names our served model, while watching the engine.
+"""Step 7, wait for ready: until /v1/models names our served model, while watching every member of
+the group.
 
 The API port refuses connections for the whole load, so "loading or dead" is judged from the
-engine container (alive, log moving), never from TCP. If the engine exits, the wait ends at
-once with its exit code and last log lines.
+containers (alive, log moving), never from TCP. If any member exits (the engine or leader, a Ray
+container, an mp follower), the wait ends at once with its node, exit code and last log lines.
+On the mp backend it also watches the rendezvous: once the leader listens on the master port,
+every follower must connect from its node within ``[deadlines] rendezvous_s``; one that does not
+(wrong fabric IP, a firewall, another interface) is named with both ranks' last log lines, long
+before vLLM's own 600 s rendezvous timeout.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from prefect import task
@@ -18,9 +23,9 @@ from prefect.cache_policies import NO_CACHE
 from tasks.context import Run, StepFailed, log
 from vllm_redeploy.endpoint import api_base, engine_version, list_models
 from vllm_redeploy.names import artifact_key
-from vllm_redeploy.nodes import RemoteError, fan_out
-from vllm_redeploy.parsers.vllm_log import LoadProgress, last_load_progress
-from vllm_redeploy.plan import engine_container, ray_container
+from vllm_redeploy.nodes import NodeDocker, RemoteError, fan_out
+from vllm_redeploy.parsers.vllm_log import LoadProgress, last_load_progress, tail_for_people
+from vllm_redeploy.plan import LaunchPlan, Member
 from vllm_redeploy.safe_text import block, shown
 from vllm_redeploy.summary import StepEvent, report
 
@@ -28,8 +33,16 @@ STEP = "wait-ready"
 POLL_S = 0.25  # readiness is noticed within this, plus one request
 PROGRESS_EVERY_S = 5.0
 LOG_TAIL_LINES = 30
-GROUP_CHECK_S = 2.0  # how often the Ray containers of every node are looked at
+RAW_TAIL_LINES = 400  # read this much of a log to show LOG_TAIL_LINES of it without NCCL's INFO
+GROUP_CHECK_S = 2.0  # how often the other members' containers are looked at
 HTTP_TIMEOUT = httpx.Timeout(2.0, connect=1.0)
+# The engine killed by SIGKILL, and what NCCL says when the container may not pin memory.
+HINTS = {
+    "ibv_reg_mr": "NCCL could not register memory with the RDMA device: the container needs "
+    "IPC_LOCK and an unlimited memlock ([fabric] memlock_bytes = -1)",
+    "no socket interface found": "NCCL found no interface named in NCCL_SOCKET_IFNAME on that "
+    "node: fix the node's fabric_interfaces (or leave them out to use the discovered ones)",
+}
 
 
 @dataclass(frozen=True)
@@ -41,10 +54,11 @@ class Ready:
 
 # Not cached: readiness is only true now, and the engine it watches is this run's.
 @task(name="wait-ready", cache_policy=NO_CACHE)
-def wait_until_ready(run: Run) -> Ready:
+def wait_until_ready(run: Run, plan: LaunchPlan) -> Ready:
     config = run.config
-    docker = run.head.docker
-    name = engine_container(config)
+    api = plan.api
+    docker = run.node(api.node).docker
+    name = api.spec.name
     want = config.vllm.served_name
     url = api_base(config)
     deadline_s = config.deadlines.model_load_s
@@ -52,8 +66,9 @@ def wait_until_ready(run: Run) -> Ready:
     progress_id = create_progress_artifact(
         0.0,
         key=artifact_key(config.name, "load"),
-        description=f"Loading {want} on {config.head.name}",
+        description=f"Loading {want} on {api.node}",
     )
+    rendezvous = Rendezvous(plan) if plan.backend == "mp" else None
     last_progress = 0.0
     last_load: LoadProgress | None = None
     last_report = started
@@ -72,33 +87,29 @@ def wait_until_ready(run: Run) -> Ready:
                 return Ready(listed, waited, version)
             info = docker.get(name)
             if info is None or not info.running:
-                tail = docker.logs_tail(name, LOG_TAIL_LINES).strip() if info else ""
-                oom = " (killed: out of memory)" if info and info.oom_killed else ""
-                if info and info.exit_code == 137 and not oom:
-                    oom = " (killed by SIGKILL: usually the kernel's out-of-memory killer)"
-                code = info.exit_code if info else "gone"
-                stopped = _stopped_ray(run)
+                stopped = _stopped(run, plan, exclude=api)
                 raise StepFailed(
                     STEP,
                     (f"{stopped[0]}; then " if stopped else "")
-                    + f"the vLLM engine on {config.head.name} exited with code {code}{oom} "
-                    f"after {time.monotonic() - started:.1f} s. Last log lines:\n{block(tail)}",
+                    + _exited(run, api, info, time.monotonic() - started),
                 )
             now = time.monotonic()
             if now >= next_group_check:
                 next_group_check = now + GROUP_CHECK_S
-                stopped = _stopped_ray(run)
+                stopped = _stopped(run, plan, exclude=api)
                 if stopped:
                     raise StepFailed(
                         STEP,
-                        f"{stopped[0]}, {now - started:.1f} s into the load; the model cannot "
-                        "be served without every node. Check that node (its Docker engine may "
-                        "have restarted, or the node rebooted); the next run starts the whole "
-                        f"group again. Last Ray log lines there:\n{block(stopped[1])}",
+                        f"{stopped[0]}, {now - started:.1f} s into the load; the model cannot be "
+                        "served without every node. Check that node (its Docker engine may have "
+                        "restarted, or the node rebooted); the next run starts the whole group "
+                        f"again. Last log lines there:\n{block(stopped[1])}",
                     )
+                if rendezvous is not None:
+                    rendezvous.check(run, now)
             if now - last_report >= PROGRESS_EVERY_S:
                 last_report = now
-                progress = last_load_progress(docker.logs_tail(name, 20))
+                progress = last_load_progress(docker.logs_tail(name, RAW_TAIL_LINES))
                 if progress and progress.percent != last_progress:
                     last_progress = progress.percent
                     last_load = progress
@@ -111,32 +122,140 @@ def wait_until_ready(run: Run) -> Ready:
                         progress.total,
                     )
             if now - started >= deadline_s:
-                tail = docker.logs_tail(name, LOG_TAIL_LINES).strip()
+                tail = _tail(docker, name, LOG_TAIL_LINES)
                 stale = (
                     f"; the server lists {', '.join(map(shown, listed))} instead" if listed else ""
                 )
+                missing = rendezvous.missing_text() if rendezvous else ""
                 raise StepFailed(
                     STEP,
-                    f"{want} was not served at {url} within {deadline_s:g} s{stale}. "
+                    f"{want} was not served at {url} within {deadline_s:g} s{stale}{missing}. "
                     f"Last log lines:\n{block(tail)}",
                 )
             time.sleep(POLL_S)
 
 
-def _stopped_ray(run: Run) -> tuple[str, str] | None:
-    """The first node whose Ray container no longer runs: what happened, in words, and its last
-    log lines. A node that cannot be inspected now is skipped (the engine's exit will tell)."""
-    name = ray_container(run.config)
-    outcomes = fan_out(run.config.nodes, lambda n: run.node(n.name).docker.get(name))
-    for outcome in outcomes:
+def _exited(run: Run, member: Member, info: object, after_s: float) -> str:
+    """`the vLLM engine on N exited with code C (why) after S s. Last log lines: ...`"""
+    docker = run.node(member.node).docker
+    what = _what(member)
+    if info is None:
+        return f"{what} on {member.node} is gone, {after_s:.1f} s into the load"
+    code = getattr(info, "exit_code", None)
+    why = ""
+    if getattr(info, "oom_killed", False):
+        why = " (killed: out of memory)"
+    elif code == 137:
+        why = " (killed by SIGKILL: usually the kernel's out-of-memory killer)"
+    tail = _tail(docker, member.spec.name, LOG_TAIL_LINES)
+    hint = next((f" {h}." for text, h in HINTS.items() if text in tail), "")
+    return (
+        f"{what} on {member.node} exited with code {code}{why} after {after_s:.1f} s.{hint} "
+        f"Last log lines:\n{block(tail)}"
+    )
+
+
+def _what(member: Member) -> str:
+    return {
+        "engine": "the vLLM engine",
+        "leader": "the vLLM leader (rank 0)",
+        "follower": "the vLLM follower",
+        "ray-head": "the Ray head container",
+        "ray-worker": "the Ray container",
+    }.get(member.role, member.role)
+
+
+def _stopped(run: Run, plan: LaunchPlan, exclude: Member) -> tuple[str, str] | None:
+    """The first other member that no longer runs: what happened, in words, and its last log
+    lines. A node that cannot be inspected now is skipped (the engine's own exit will tell)."""
+    others = [m for m in plan.members if m is not exclude]
+    outcomes = fan_out(
+        [run.node_config(m.node) for m in others],
+        lambda n: run.node(n.name).docker.get(_on(others, n.name).spec.name),
+    )
+    for member, outcome in zip(others, outcomes, strict=True):
         info = outcome.value
         if outcome.error is not None or (info is not None and info.running):
             continue
         if info is None:
-            return f"the Ray container on {outcome.node} is gone", "(none: it was removed)"
+            return f"{_what(member)} on {member.node} is gone", "(none: it was removed)"
         try:
-            tail = run.node(outcome.node).docker.logs_tail(name, LOG_TAIL_LINES // 3).strip()
+            tail = _tail(run.node(member.node).docker, member.spec.name, LOG_TAIL_LINES // 3)
         except RemoteError as exc:
             tail = f"(unreadable: {exc})"
-        return f"the Ray container on {outcome.node} exited with code {info.exit_code}", tail
+        return f"{_what(member)} on {member.node} exited with code {info.exit_code}", tail.strip()
     return None
+
+
+def _on(members: list[Member], node: str) -> Member:
+    return next(m for m in members if m.node == node)
+
+
+@dataclass
+class Rendezvous:
+    """mp backend: which followers have connected to the leader's master port, seen from the
+    head with `ss` (a follower keeps its connection to the rendezvous store while it runs)."""
+
+    plan: LaunchPlan
+    listening_since: float | None = None
+    joined: set[str] = field(default_factory=set)
+    done: bool = False
+
+    def check(self, run: Run, now: float) -> None:
+        if self.done:
+            return
+        config = run.config
+        port = config.vllm.master_port
+        head = run.node(config.head.name).runner
+        if self.listening_since is None:
+            listens = head.run(["ss", "-Hltn", f"( sport = :{port} )"], check=False)
+            if listens.ok and listens.stdout.strip():
+                self.listening_since = now
+            return
+        established = ["ss", "-Htn", "state", "established", f"( sport = :{port} )"]
+        peers = head.run(established, check=False)
+        if not peers.ok:
+            return  # vLLM's own rendezvous timeout still applies
+        ips = {_peer_ip(line) for line in peers.stdout.splitlines()}
+        followers = [m for m in self.plan.members if not m.serves_api]
+        self.joined |= {m.node for m in followers if run.node_config(m.node).ip in ips}
+        missing = [m for m in followers if m.node not in self.joined]
+        if not missing:
+            self.done = True
+            log().info("every follower joined the rendezvous on port %d", port)
+            return
+        if now - self.listening_since < config.deadlines.rendezvous_s:
+            return
+        first = missing[0]
+        leader = self.plan.api
+        theirs = _tail(run.node(first.node).docker, first.spec.name, LOG_TAIL_LINES // 2)
+        ours = _tail(run.node(leader.node).docker, leader.spec.name, LOG_TAIL_LINES // 2)
+        raise StepFailed(
+            STEP,
+            f"{', '.join(m.node for m in missing)} never joined the rendezvous at "
+            f"{config.head.ip}:{port}: the leader on {leader.node} has listened for "
+            f"{now - self.listening_since:.0f} s ([deadlines] rendezvous_s) and no connection "
+            f"came from {run.node_config(first.node).ip}. Check that {first.node} reaches "
+            f"{config.head.ip} on port {port} (its fabric IP and interface, a firewall). "
+            f"Last log lines on {first.node}:\n{block(theirs.strip())}\n"
+            f"Last log lines of the leader on {leader.node}:\n{block(ours.strip())}",
+        )
+
+    def missing_text(self) -> str:
+        followers = [m.node for m in self.plan.members if not m.serves_api]
+        missing = [n for n in followers if n not in self.joined]
+        return f"; never joined the rendezvous: {', '.join(missing)}" if missing else ""
+
+
+def _peer_ip(ss_line: str) -> str:
+    """The peer's address in an `ss -Htn state established` line (Recv-Q Send-Q Local Peer). The
+    rendezvous store listens dual-stack, so IPv4 peers show as ``[::ffff:192.168.200.13]``."""
+    fields = ss_line.split()
+    if len(fields) < 4:
+        return ""
+    return fields[3].rpartition(":")[0].strip("[]").removeprefix("::ffff:")
+
+
+def _tail(docker: NodeDocker, name: str, lines: int) -> str:
+    """A container's last ``lines`` log lines for people: NCCL's INFO lines left out."""
+    return tail_for_people(docker.logs_tail(name, RAW_TAIL_LINES), lines).strip()

@@ -13,6 +13,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -158,11 +159,12 @@ def prefect_api(prefect_server: str) -> Iterator[str]:
         os.environ.pop("PREFECT_API_URL", None)
 
 
-def make_bed(nodes: int, gpu: str, first_ip: int) -> TestBed:
+def make_bed(nodes: int, gpu: str, first_ip: int, **options: Any) -> TestBed:
+    """A bed of ``nodes`` at NET.<first_ip>...; ``options`` go to TestBed.up (image, rdma)."""
     _need("dockerd")
     _need("/usr/sbin/sshd")
     root = Path(tempfile.mkdtemp(prefix="vrd-bed-", dir="/tmp"))
-    bed = TestBed.up(nodes, gpu, root, first_ip=first_ip)
+    bed = TestBed.up(nodes, gpu, root, first_ip=first_ip, **options)
     claim(root)
     return bed
 

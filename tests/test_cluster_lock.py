@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-import tasks.launch_vllm
+import tasks.launch
 from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import make_bed
 from tests.test_deployments import api, deployments_by_name
@@ -304,7 +304,7 @@ def test_a_cluster_name_with_capitals_underscores_and_dots_runs(
 def test_an_unexpected_exception_ends_like_any_failure(
     prefect_api: str, lock_bed: TestBed, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A bug in a step (injected here: rendering the launch command raises once the engine
+    """A bug in a step (injected here: rendering a launch command raises once the Ray head's
     container is started) fails the run with the step named, writes the diagnostics and the
     summary, emits vllm.cluster.failed, and removes the half-started group."""
     cluster = f"bug{uuid.uuid4().hex[:6]}"
@@ -313,11 +313,11 @@ def test_an_unexpected_exception_ends_like_any_failure(
     def broken(*args: Any, **kwargs: Any) -> str:
         raise RuntimeError("injected: the launch command cannot be rendered")
 
-    monkeypatch.setattr(tasks.launch_vllm, "render_command", broken)
+    monkeypatch.setattr(tasks.launch, "render_command", broken)
     state = redeploy_vllm_cluster(str(path), "redeploy", return_state=True)
     assert state.is_failed()
     message = str(state.result(raise_on_failure=False))
-    assert message.startswith("launch-vllm: unexpected error in launch-vllm: RuntimeError: ")
+    assert message.startswith("ray-head: unexpected error in ray-head: RuntimeError: ")
     assert "injected: the launch command cannot be rendered" in message
     assert "Traceback" not in message
     run_id = str(state.state_details.flow_run_id)
@@ -340,8 +340,8 @@ def test_an_unexpected_exception_ends_like_any_failure(
         assert time.monotonic() < deadline, "no vllm.cluster.failed event"
         time.sleep(1)
     (event,) = found
-    assert event["payload"]["step"] == "launch-vllm"
-    assert event["payload"]["reason"].startswith("unexpected error in launch-vllm: RuntimeError")
+    assert event["payload"]["step"] == "ray-head"
+    assert event["payload"]["reason"].startswith("unexpected error in ray-head: RuntimeError")
     labels = {k: v for k, v in event["resource"].items()}
     assert labels["vllm-redeploy.cluster"] == cluster
     # and the traceback went to the flow run's log, for whoever debugs it
@@ -365,7 +365,7 @@ def test_a_port_check_that_cannot_run_fails_the_step(prefect_api: str, lock_bed:
     assert state.is_failed()
     message = str(state.result(raise_on_failure=False))
     assert message.startswith(
-        f"ports-free: could not check the API and Ray ports on {head.name}: `ss` exited with "
+        f"ports-free: could not check the head's ports on {head.name}: `ss` exited with "
         "code 127 (sh: 1: ss: not found)"
     ), message
     assert all(not found for found in ours(lock_bed, "bed").values())

@@ -56,6 +56,7 @@ from vllm_redeploy.nodes.docker import node_docker_for
 from vllm_redeploy.nodes.result import render_command
 from vllm_redeploy.plan import (
     PER_NODE_VARS,
+    container_argv,
     engine_container,
     engine_spec,
     launch_fingerprint,
@@ -794,7 +795,7 @@ def test_accepted_hostile_values_reach_the_node_verbatim_and_never_run(
     rendered = ray_line.split("): ", 1)[1]
     assert shlex.split(rendered) == ray_start_args(config.head, config)
     engine_line = next(line for line in lines if engine_container(config) in line)
-    assert shlex.split(engine_line.split(": ", 1)[1]) == list(engine_spec(config).command)
+    assert shlex.split(engine_line.split(": ", 1)[1]) == container_argv(engine_spec(config))
     assert not any(s in "\n".join(lines) for s in secrets)
     # ... and that rendering, pasted into a shell on the node, runs `ray` with exactly that argv.
     ssh_runner.run(["sh", "-c", rendered], env={"PATH": f"{host_bin}:/usr/bin:/bin"}, timeout=30)

@@ -260,6 +260,8 @@ class Outcome:
 def write_config(bed: TestBed, **changes: Any) -> Path:
     vllm = changes.pop("vllm", {})
     vllm["env"] = {**FAST, **vllm.get("env", {})}
+    # A killed controller's hold on the cluster ends with its lease: Prefect's shortest.
+    changes.setdefault("lock", {"lease_s": 60})
     return bed.write_config(bed.root / "run.toml", vllm=vllm, **changes)
 
 
@@ -706,12 +708,16 @@ def test_controller_killed_mid_run_next_run_recovers(
     outcome = run_flow(fault_bed)
     result = outcome.result
     assert result["probe"]["healthy"] and served(fault_bed)
+    # It waited until the dead run's lease ran out (renewed every 45 s: 15-60 s left, plus the
+    # server's 15 s sweep), then replaced the group.
+    assert result["steps"]["cluster-lock"] >= 10, result["steps"]
     assert ours(head, running_only=False) == [("engine", "running"), ("ray", "running")]
     assert ours(fault_bed.node(WORKER), running_only=False) == [("ray", "running")]
     # Nothing told Prefect that the killed run ended: it shows as Running until someone acts.
     zombies = [r for r in running_flow_runs() if r.parameters.get("config_path") == str(path)]
     row.outcome = (
-        "Completed on the next run: the orphaned group replaced, one engine and one Ray "
-        f"container per node; the killed run still shows {len(zombies)}x Running in Prefect"
+        "Completed on the next run, once the dead run's hold on the cluster expired "
+        f"({result['steps']['cluster-lock']:.0f} s): the orphaned group replaced, one engine and "
+        f"one Ray container per node; the killed run still shows {len(zombies)}x Running"
     )
     row.detect = f"next run took {outcome.ended - outcome.started:.1f} s"

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import docker.errors
 import pytest
@@ -26,6 +27,7 @@ from deployments.install_notifier import (
     UNIT_NAME,
     UNIT_PATH,
     install_notifier,
+    reload_risk,
 )
 from deployments.webhook import SECRET_ENV, running_webhook
 from tests.test_webhook import make_config, wait_for_event
@@ -35,7 +37,7 @@ from tests.testbed.node import EmulatedNode
 from tests.testbed.procs import free_port
 from tests.testbed.standins import systemctl
 from vllm_redeploy.config import ClusterConfig, load_config
-from vllm_redeploy.nodes import SSHRunner, runner_for
+from vllm_redeploy.nodes import NodeAccess, SSHRunner, runner_for
 from vllm_redeploy.nodes.runner import OutputCapture
 
 pytestmark = pytest.mark.integration
@@ -295,3 +297,37 @@ def test_notifier_retries_401_then_gives_up_after_max_wait(setup: Setup, tmp_pat
     lines = proc.stderr.splitlines()
     assert len(lines) >= 2 and all("HTTP 401" in line for line in lines)
     assert "not-the-secret" not in proc.stderr
+
+
+# --- no daemon-reload behind a serving model (issue 14) ---------------------------------------
+
+
+class _Engine:
+    """What reload_risk asks a node's Docker: its cgroup driver and our running containers."""
+
+    def __init__(self, driver: str, running: list[str]) -> None:
+        self.driver, self.running = driver, running
+
+    def cgroup_driver(self) -> str:
+        return self.driver
+
+    def list_containers(self, labels: dict[str, str]) -> list[SimpleNamespace]:
+        return [SimpleNamespace(name=name, running=True) for name in self.running]
+
+
+def test_systemd_is_not_reloaded_behind_a_serving_model_under_the_systemd_driver() -> None:
+    serving = ["vllm-redeploy-bed-engine"]
+    assert reload_risk(_Engine("cgroupfs", serving)) is None  # type: ignore[arg-type]
+    assert reload_risk(_Engine("systemd", [])) is None  # type: ignore[arg-type]
+    risk = reload_risk(_Engine("systemd", serving))  # type: ignore[arg-type]
+    assert risk is not None and "systemd cgroup driver" in risk and serving[0] in risk
+    assert reload_risk(_Engine("", serving)) is not None  # unknown: never risk it
+
+
+def test_the_bed_reports_its_real_cgroup_driver(bed: TestBed) -> None:
+    config = load_config(bed.config_path, env_file=None)
+    with NodeAccess(config.nodes[0], config) as access:
+        assert access.docker.cgroup_driver() in ("cgroupfs", "systemd")
+        assert reload_risk(access.docker) is None or "cgroup driver" in str(
+            reload_risk(access.docker)
+        )

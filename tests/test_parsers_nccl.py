@@ -215,7 +215,6 @@ def test_only_sockets_is_socket_with_no_device_found_recorded() -> None:
         "h:1:1 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[0] [send] via NET/IB/0\n",
         "h:1:1 [0] NCCL INFO Using netw",  # cut short
         "Using network IB\n",  # not from NCCL
-        "NCCL INFO Using network IB\n",  # no process prefix
     ],
 )
 def test_no_using_network_line_is_unknown(text: str) -> None:
@@ -328,3 +327,22 @@ def check(result: NcclTransport) -> None:
     assert all(isinstance(rank, RankTransport) for rank in result.ranks)
     assert len(set(result.hcas)) == len(result.hcas)
     json.dumps(result.as_dict())
+
+
+def test_lines_quoted_without_nccls_prefix_are_judged_as_one_process() -> None:
+    """The brief, the docs and operators quote NCCL's lines without its host:pid:tid prefix."""
+    quoted = (
+        "NCCL INFO NET/IB : Using [0]rocep1s0f1:1/RoCE [1]roceP2p1s0f1:1/RoCE [RO]; "
+        "OOB enp1s0f1np1:192.168.200.12<0>\n"
+        "NCCL INFO Using network IB\n"
+    )
+    verdict = judge_transport(quoted)
+    assert verdict.transport == "rdma"
+    assert verdict.hcas == ("rocep1s0f1:1", "roceP2p1s0f1:1")
+    (rank,) = verdict.ranks
+    assert rank.identity == "(no process prefix)"
+    sockets = (
+        "NCCL INFO NET/Socket : Using [0]enp1s0f1np1:192.168.200.12<0>\n"
+        "NCCL INFO Using network Socket\n"
+    )
+    assert judge_transport(sockets).transport == "socket"

@@ -10,6 +10,7 @@ import pytest
 from vllm_redeploy.config import ClusterConfig, load_config
 from vllm_redeploy.parsers.vllm_log import last_load_progress
 from vllm_redeploy.plan import (
+    container_argv,
     engine_spec,
     launch_fingerprint,
     parse_members,
@@ -76,11 +77,11 @@ def test_different_interface_names_are_kept_off_the_workers(tmp_path: Path) -> N
     )
     path = tmp_path / "c.toml"
     path.write_text(text)
-    spec = engine_spec(load_config(path, env_file=None))
-    assert spec.command[:2] == ["sh", "-c"]
+    wrapper = container_argv(engine_spec(load_config(path, env_file=None)))
+    assert wrapper[:2] == ["sh", "-c"]
     # Run the wrapper for real (with `echo` for vllm): the file is written, argv reaches the end.
     target = tmp_path / "cfg" / "ray_non_carry_over_env_vars.json"
-    argv = ["sh", "-c", spec.command[2], "sh", str(target), spec.command[5], "echo", "$(id)", "a b"]
+    argv = ["sh", "-c", wrapper[2], "sh", str(target), wrapper[5], "echo", "$(id)", "a b"]
     done = subprocess.run(argv, capture_output=True, text=True, check=True)
     assert done.stdout == "$(id) a b\n"
     assert "NCCL_SOCKET_IFNAME" in target.read_text()

@@ -211,7 +211,7 @@ def test_no_secret_in_the_prefect_logs(runs: Runs) -> None:
     deadline = time.monotonic() + 30  # logs reach the server in batches
     while True:
         ok_logs, failed_logs = _logs(ok_id), _logs(failed_id)
-        complete = any("launched " + engine_container_name(runs) in x for x in ok_logs) and any(
+        complete = any("started " + engine_container_name(runs) in x for x in ok_logs) and any(
             "failed at wait-ready" in x for x in failed_logs
         )
         if complete or time.monotonic() > deadline:

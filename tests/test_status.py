@@ -121,16 +121,18 @@ def test_the_run_command_piped_prints_a_line_per_step_then_the_summary(
         "preflight",
         "stop-autostart",
         "gpus-clear",
+        "memory",
         "ports-free",
         "ray-head",
         "join-workers",
         "cluster-check",
         "launch-vllm",
         "wait-ready",
+        "transport",
         "probe",
     ]
-    assert all(re.fullmatch(r"[a-z-]+: done in \d+\.\d s", line) for line in lines[:11])
-    summary = "\n".join(lines[11:])
+    assert all(re.fullmatch(r"[a-z-]+: done in \d+\.\d s", line) for line in lines[:13])
+    summary = "\n".join(lines[13:])
     assert "| step | seconds |" in summary and "| wait-ready |" in summary
     # what was stopped on each node: this time our own containers of the last run
     assert "ours from the last run: vllm-redeploy-bed-engine, vllm-redeploy-bed-ray" in summary
@@ -146,13 +148,13 @@ def test_status_after_the_engine_is_gone(deployed: tuple[TestBed, Path]) -> None
         head.docker.remove(engine_container(config))
     code, report = status_json(path)
     assert code == 1 and not report["healthy"]
-    assert "the vLLM engine is not running on node-1" in report["problems"]
+    assert "the vLLM engine on node-1 is not running" in report["problems"]
     assert report["endpoint"]["engine"] is None and not report["endpoint"]["served"]
     result = piped("status", "-c", str(path))
     assert result.returncode == 1
     assert not ANSI.search(result.stdout + result.stderr)
     assert re.search(r"engine\s+not running", result.stdout)
-    assert "  - the vLLM engine is not running on node-1" in result.stdout
+    assert "  - the vLLM engine on node-1 is not running" in result.stdout
     assert result.stdout.startswith("cluster bed: not healthy")
 
 

@@ -96,12 +96,12 @@ def test_summary_of_a_redeploy_with_a_reasoning_only_probe() -> None:
     assert "Mode `redeploy`, 9 steps in 928.77 s." in lines
     # per node: what was stopped and removed, and the GPU state
     assert (
-        "| spark-a | glm-server.service | glm-server, glm-proxy | clear (1 GPU, 0 MiB used) |"
+        "| spark-a | glm-server.service | glm-server, glm-proxy | clear (1 GPU, 0 MiB used) | - |"
         in lines
     )
     assert (
         "| spark-b | none | none; ours from the last run: vllm-redeploy-spark-pair-ray "
-        "| clear (1 GPU, 0 MiB used) |" in lines
+        "| clear (1 GPU, 0 MiB used) | - |" in lines
     )
     # Ray membership by IP and GPUs
     assert "2 nodes alive, 2 GPUs." in lines

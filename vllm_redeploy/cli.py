@@ -117,7 +117,7 @@ def nodes(config: ConfigOption = Path("cluster.toml"), as_json: JsonOption = Fal
         out.print_json(json.dumps([asdict(r) for r in reports if r is not None]))
     else:
         table = Table(title=f"cluster {cluster.name}")
-        for column in ("node", "address", "reachable", "round trip", "docker", "problem"):
+        for column in ("node", "address", "reachable", "round trip", "docker", "fabric", "problem"):
             table.add_column(column, overflow="fold")
         for r in reports:
             assert r is not None
@@ -127,10 +127,55 @@ def nodes(config: ConfigOption = Path("cluster.toml"), as_json: JsonOption = Fal
                 "[green]yes[/]" if r.reachable else "[red]no[/]",
                 f"{r.rtt_ms:.1f} ms" if r.rtt_ms is not None else "-",
                 _t(r.docker_version or "-"),
-                _t(r.error or ""),
+                _fabric_cell(r.fabric),
+                _t("; ".join(filter(None, [r.error, *(r.fabric or {}).get("problems", [])]))),
             )
         out.print(table)
     if not all(r is not None and r.reachable and r.docker_version for r in reports):
+        raise typer.Exit(EXIT_UNREACHABLE)
+
+
+def _fabric_cell(fabric: dict[str, Any] | None) -> str:
+    if fabric is None:
+        return "-"
+    where = f"{fabric['interface'] or 'no interface'} (MTU {fabric['mtu'] or '?'})"
+    if fabric["twins"]:
+        where += f" + {', '.join(fabric['twins'])}"
+    hcas = []
+    for h in fabric["hcas"]:
+        state = "[green]ACTIVE[/]" if h["state"] == "ACTIVE" else f"[red]{_t(h['state'])}[/]"
+        hcas.append(f"{_t(h['name'])}:{h['port']} {state}")
+    return _t(where) + "\n" + ("\n".join(hcas) if hcas else "no RDMA HCA")
+
+
+@app.command()
+def fabric(
+    log: Annotated[Path, typer.Option("--log", help="A saved log with NCCL's INFO lines.")],
+    as_json: JsonOption = False,
+) -> None:
+    """Judge which transport NCCL chose in a saved log: exit 0 iff every rank used RDMA."""
+    from vllm_redeploy.parsers.nccl_log import judge_transport
+
+    try:
+        text = log.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        err.print(f"cannot read {shown(str(log))}: {exc.strerror}", markup=False, highlight=False)
+        raise typer.Exit(EXIT_CONFIG) from None
+    verdict = judge_transport(text)
+    if as_json:
+        out.print_json(json.dumps(verdict.as_dict()))
+    else:
+        colour = "green" if verdict.transport == "rdma" else "red"
+        out.print(f"transport: [{colour}]{verdict.transport}[/]", highlight=False)
+        if verdict.hcas:
+            out.print(f"HCAs: {_t(', '.join(verdict.hcas))}", highlight=False)
+        for rank in verdict.ranks:
+            network = rank.network or "no choice logged"
+            line = f"  {rank.identity}: {network}"
+            if rank.hcas:
+                line += f" over {', '.join(rank.hcas)}"
+            out.print(for_terminal(line), markup=False, highlight=False)
+    if verdict.transport != "rdma":
         raise typer.Exit(EXIT_UNREACHABLE)
 
 
@@ -176,6 +221,8 @@ def _print_status(report: ClusterStatus) -> None:
     probe = "[green]healthy[/]" if e.probe.healthy else "[red]unhealthy[/]"
     rows = [
         ("endpoint", _t(e.url)),
+        ("backend", _t(report.backend or "-")),
+        ("transport", _transport_cell(report)),
         ("model", model),
         ("health", "[green]200[/]" if e.health == 200 else f"[red]{e.health or 'no answer'}[/]"),
         ("vLLM", _t(e.version or "-")),
@@ -198,6 +245,14 @@ def _print_status(report: ClusterStatus) -> None:
         out.print("[bold red]problems[/]")
         for problem in report.problems:
             out.print(f"  - {for_terminal(problem)}", markup=False, highlight=False)
+
+
+def _transport_cell(report: ClusterStatus) -> str:
+    if report.transport is None:
+        return "-"
+    colour = "green" if report.transport.transport == "rdma" else "yellow"
+    nodes = "; ".join(n.phrase() for n in report.transport.nodes)
+    return f"[{colour}]{report.transport.transport}[/] ({_t(nodes)})"
 
 
 def _containers_cell(node: NodeStatus) -> str:

@@ -176,6 +176,15 @@ class VLLMConfig(_Section):
         "0.0.0.0",  # noqa: S104 - the API serves the network
         description="API bind address.",
     )
+    backend: Literal["auto", "ray", "mp"] = Field(
+        "auto",
+        description="How the ranks on several nodes find each other: ray (a Ray cluster, the "
+        "image must carry Ray), mp (vLLM's own --nnodes launcher, no Ray needed), or auto: ray "
+        "when the image carries Ray, mp otherwise.",
+    )
+    master_port: Port = Field(
+        29501, description="mp backend: the rendezvous port on the head (--master-port)."
+    )
     tensor_parallel_size: int = Field(1, ge=1, description="--tensor-parallel-size.")
     pipeline_parallel_size: int = Field(1, ge=1, description="--pipeline-parallel-size.")
     reasoning_parser: Name | None = Field(
@@ -244,9 +253,24 @@ class VLLMConfig(_Section):
 
 class RayConfig(_Section):
     port: Port = Field(6379, description="Ray head (GCS) port.")
+    memory_monitor: bool = Field(
+        False,
+        description="Ray's memory monitor, which kills workers at 95% of node memory. Off: on "
+        "unified memory (DGX Spark) a node's weight shard alone gets there while loading.",
+    )
+    object_store_bytes: int | None = Field(
+        1 << 30,
+        ge=78643200,
+        description="Ray's object store per node (--object-store-memory); vLLM barely uses it. "
+        "Ray's own default, 30% of memory, takes ~36 GB from a Spark's GPU. None: Ray's default.",
+    )
+    prestart_workers: bool = Field(
+        False,
+        description="Let Ray start idle Python workers ahead of time (one per CPU; ~100 MB each).",
+    )
     extra_args: list[str] = Field(
         default_factory=list,
-        description="More `ray start` arguments on every node, e.g. --object-store-memory=...",
+        description="More `ray start` arguments on every node, e.g. --num-cpus=8",
     )
 
     @field_validator("extra_args")
@@ -271,6 +295,40 @@ class AutostartConfig(_Section):
     )
 
 
+class FabricConfig(_Section):
+    rdma: Literal["auto", "off"] = Field(
+        "auto",
+        description="auto: give the containers of every node with active RDMA HCAs their "
+        "devices (/dev/infiniband), IPC_LOCK and an unlimited memlock, so NCCL can use RoCE/IB; "
+        "off: never (NCCL then uses TCP sockets).",
+    )
+    require_rdma: bool | None = Field(
+        None,
+        description="Fail a run whose NCCL did not use RDMA on every rank (it answers, but "
+        "slowly). Default: true when any node has RDMA HCAs.",
+    )
+    privileged: bool = Field(
+        False, description="Run the containers privileged (some RDMA setups need it)."
+    )
+    memlock_bytes: int = Field(
+        -1,
+        ge=-1,
+        description="--ulimit memlock of RDMA nodes' containers; -1: unlimited (NVIDIA's value).",
+    )
+    stack_bytes: int = Field(
+        67108864, ge=-1, description="--ulimit stack of RDMA nodes' containers (NVIDIA's value)."
+    )
+
+
+class MemoryConfig(_Section):
+    drop_page_cache: bool | None = Field(
+        None,
+        description="Drop the page cache on each node right before the launch (through a "
+        "one-shot container). vLLM on unified memory (GB10) counts cached pages as used and "
+        "refuses to start. Default: on for unified-memory nodes.",
+    )
+
+
 class DeadlinesConfig(_Section):
     model_load_s: Seconds = Field(1200, description="How long the weights may take to load.")
     nodes_reachable_s: Seconds = Field(
@@ -279,6 +337,11 @@ class DeadlinesConfig(_Section):
     gpu_release_s: Seconds = Field(30, description="Grace period for GPU processes to exit.")
     ray_cluster_s: Seconds = Field(
         120, description="How long Ray may take to see every node and GPU."
+    )
+    rendezvous_s: Seconds = Field(
+        120,
+        description="mp backend: how long every follower may take to connect to the leader's "
+        "rendezvous port once it listens (vLLM itself waits 600 s, silently).",
     )
 
 
@@ -361,6 +424,8 @@ class ClusterConfig(BaseSettings):
     ssh: SSHConfig = Field(default_factory=SSHConfig)
     vllm: VLLMConfig
     ray: RayConfig = Field(default_factory=RayConfig)
+    fabric: FabricConfig = Field(default_factory=FabricConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
     autostart: AutostartConfig = Field(default_factory=AutostartConfig)
     deadlines: DeadlinesConfig = Field(default_factory=DeadlinesConfig)
     lock: LockConfig = Field(default_factory=LockConfig)

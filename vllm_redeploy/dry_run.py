@@ -1,23 +1,39 @@
-"""`run --dry-run`: per node, exactly what a run would stop, start and check. Read-only."""
+"""`run --dry-run`: per node, exactly what a run would stop, check and start. Read-only: the nodes
+are asked what they have (containers, fabric), nothing is started or removed."""
 
 from __future__ import annotations
 
-from vllm_redeploy.config import ClusterConfig
+from dataclasses import dataclass
+
+from vllm_redeploy.config import ClusterConfig, NodeConfig
 from vllm_redeploy.endpoint import api_base
+from vllm_redeploy.memory import DROP_SCRIPT
 from vllm_redeploy.nodes import NodeAccess, RemoteError, fan_out, render_command
-from vllm_redeploy.nodes.docker import ContainerInfo, cluster_labels
+from vllm_redeploy.nodes.docker import ContainerInfo, ContainerSpec, cluster_labels
+from vllm_redeploy.parsers.fabric import FABRIC_ARGV, FabricFacts, parse_fabric
 from vllm_redeploy.parsers.nvidia_smi import COMPUTE_APPS_ARGV, GPUS_ARGV
-from vllm_redeploy.plan import engine_spec, ray_spec
+from vllm_redeploy.plan import LaunchPlan, NodeFabric, container_argv, ray_plan
+from vllm_redeploy.plan_mp import mp_plan
 from vllm_redeploy.safe_text import one_line, shown
 
 
-def _found(config: ClusterConfig, name: str) -> tuple[list[str], list[str]]:
-    """The containers a run would remove on the node: (autostart matches, our own)."""
-    node = next(n for n in config.nodes if n.name == name)
+@dataclass(frozen=True)
+class _Seen:
+    """What a node has now: the containers a run would remove, and its fabric."""
+
+    old: list[str]
+    ours: list[str]
+    fabric: FabricFacts
+
+
+def _look(config: ClusterConfig, node: NodeConfig) -> _Seen:
     with NodeAccess(node, config) as access:
         old = access.docker.list_containers(config.autostart.containers)
         ours = access.docker.list_containers(labels=cluster_labels(config.name))
-    return [_named(c) for c in old], [_named(c) for c in ours]
+        found = access.runner.run(list(FABRIC_ARGV), check=False)
+    return _Seen(
+        [_named(c) for c in old], [_named(c) for c in ours], parse_fabric(found.stdout, node.ip)
+    )
 
 
 def _named(container: ContainerInfo) -> str:
@@ -25,51 +41,111 @@ def _named(container: ContainerInfo) -> str:
 
 
 def plan_lines(config: ClusterConfig, inspect_nodes: bool = True) -> list[str]:
-    secrets = config.secret_values()
-    found = {}
+    seen = {}
     if inspect_nodes:
-        found = {o.node: o for o in fan_out(config.nodes, lambda n: _found(config, n.name))}
+        seen = {o.node: o for o in fan_out(config.nodes, lambda n: _look(config, n))}
+    fabric = {
+        name: NodeFabric.of(o.value.fabric, _node(config, name), config)
+        for name, o in seen.items()
+        if o.value is not None
+    }
     lines = [f"cluster {config.name}: dry run, nothing is changed"]
     for node in config.nodes:
-        role = "head" if node is config.head else "worker"
+        lines += _node_lines(config, node, seen.get(node.name), fabric.get(node.name))
+    backend = config.vllm.backend
+    plans = []
+    if backend in ("auto", "ray"):
+        why = "configured" if backend == "ray" else "if the image carries Ray"
+        plans.append(ray_plan(config, fabric, f"ray ({why})"))
+    if backend in ("auto", "mp"):
+        why = "configured" if backend == "mp" else "if the image carries no Ray"
+        plans.append(mp_plan(config, fabric, f"mp ({why}; vLLM's own multi-node launcher)"))
+    if backend == "auto":
         lines.append(
-            f"\n[{node.name}] {role}, {node.transport} {node.address}, fabric IP {node.ip}"
+            "\nbackend auto: a one-shot container of the image decides when the run starts "
+            "(ray if Ray runs in it, else mp); both launches follow"
         )
-        for unit in config.autostart.units:
-            verb = "stop and disable" if config.autostart.disable_units else "stop"
-            lines.append(f"  {verb} unit {unit} (if active)")
-        outcome = found.get(node.name)
-        if outcome is not None and isinstance(outcome.error, RemoteError):
-            lines.append(f"  cannot inspect containers now: {one_line(outcome.error)}")
-        elif outcome is not None and outcome.value is not None:
-            old, ours = outcome.value
-            lines.append(f"  remove autostart containers: {', '.join(old) or 'none found'}")
-            lines.append(f"  remove our earlier containers: {', '.join(ours) or 'none found'}")
-        else:
-            patterns = ", ".join(config.autostart.containers) or "none configured"
-            lines.append(f"  remove containers matching: {patterns}; and ours (by label)")
-        lines.append(
-            f"  check GPUs: {render_command(COMPUTE_APPS_ARGV)}; {render_command(GPUS_ARGV)}"
-        )
-        spec = ray_spec(node, config)
-        lines.append(
-            f"  start container {spec.name} ({spec.image}): "
-            f"{render_command(list(spec.command), secrets)}"
-        )
-        env = ", ".join(f"{k}={v}" for k, v in sorted(spec.env.items()) if v not in secrets)
-        lines.append(f"    env: {env}")
-    engine = engine_spec(config)
-    lines.append(f"\n[{config.head.name}] engine")
+    for plan in plans:
+        lines += _launch_lines(config, plan)
     lines.append(
-        f"  start container {engine.name}: {render_command(list(engine.command), secrets)}"
+        f"\nwait up to {config.deadlines.model_load_s:g} s until {api_base(config)}/v1/models "
+        f"lists {config.vllm.served_name}; then prove NCCL's transport between the nodes"
     )
     lines.append(
-        f"  wait up to {config.deadlines.model_load_s:g} s until "
-        f"{api_base(config)}/v1/models lists "
-        f"{config.vllm.served_name}"
-    )
-    lines.append(
-        f"  probe: {config.probe.prompt!r}, max_tokens {config.probe.max_tokens}, "
+        f"probe: {config.probe.prompt!r}, max_tokens {config.probe.max_tokens}, "
         f"temperature {config.probe.temperature:g}"
     )
+    return lines
+
+
+def _node(config: ClusterConfig, name: str) -> NodeConfig:
+    return next(n for n in config.nodes if n.name == name)
+
+
+def _node_lines(
+    config: ClusterConfig, node: NodeConfig, seen: object, fabric: NodeFabric | None
+) -> list[str]:
+    role = "head" if node is config.head else "worker"
+    lines = [f"\n[{node.name}] {role}, {node.transport} {node.address}, fabric IP {node.ip}"]
+    for unit in config.autostart.units:
+        verb = "stop and disable" if config.autostart.disable_units else "stop"
+        lines.append(f"  {verb} unit {unit} (if active)")
+    error = getattr(seen, "error", None)
+    value = getattr(seen, "value", None)
+    if isinstance(error, RemoteError):
+        lines.append(f"  cannot inspect the node now: {one_line(error)}")
+    elif isinstance(value, _Seen):
+        lines.append(f"  remove autostart containers: {', '.join(value.old) or 'none found'}")
+        lines.append(f"  remove our earlier containers: {', '.join(value.ours) or 'none found'}")
+        lines.append(f"  fabric: {_fabric(value.fabric, fabric)}")
+    else:
+        patterns = ", ".join(config.autostart.containers) or "none configured"
+        lines.append(f"  remove containers matching: {patterns}; and ours (by label)")
+    lines.append(f"  check GPUs: {render_command(COMPUTE_APPS_ARGV)}; {render_command(GPUS_ARGV)}")
+    drop = config.memory.drop_page_cache
+    when = "on unified memory (GB10)" if drop is None else ("yes" if drop else "no")
+    lines.append(f"  drop the page cache first: {when} (a one-shot container: {DROP_SCRIPT})")
+    return lines
+
+
+def _fabric(facts: FabricFacts, fabric: NodeFabric | None) -> str:
+    where = f"{facts.interface or 'no interface'} (MTU {facts.mtu or '?'})"
+    if facts.twins:
+        where += f", twins {', '.join(facts.twins)}"
+    hcas = ", ".join(f"{h.name}:{h.port} {h.state}" for h in facts.hcas) or "no RDMA HCA"
+    rdma = "yes" if fabric is not None and fabric.rdma else "no"
+    problems = "; ".join(facts.problems())
+    return f"{where}; {hcas}; RDMA into the containers: {rdma}" + (
+        f"; {problems}" if problems else ""
+    )
+
+
+def _launch_lines(config: ClusterConfig, plan: LaunchPlan) -> list[str]:
+    secrets = config.secret_values()
+    lines = [f"\n[launch] backend {plan.reason}"]
+    for member in sorted(plan.members, key=lambda m: m.phase):
+        spec = member.spec
+        api = ", serves the API" if member.serves_api else ""
+        lines.append(f"  phase {member.phase}, {member.role} on {member.node}{api}:")
+        lines.append(
+            f"  start container {spec.name} ({spec.image}): "
+            f"{render_command(container_argv(spec), secrets)}"
+        )
+        lines += _options(spec, secrets)
+    return lines
+
+
+def _options(spec: ContainerSpec, secrets: tuple[str, ...]) -> list[str]:
+    entrypoint = render_command(list(spec.entrypoint or ()))
+    lines = [
+        f"    entrypoint: {entrypoint} (set explicitly: the image's own ENTRYPOINT does not run)"
+    ]
+    ulimits = ", ".join(f"{k}={v}" for k, v in spec.ulimits.items()) or "Docker's"
+    lines.append(
+        f"    devices: {', '.join(spec.devices) or 'none'}; capabilities: "
+        f"{', '.join(spec.cap_add) or 'none added'}; ulimits: {ulimits}; privileged: "
+        f"{'yes' if spec.privileged else 'no'}"
+    )
+    env = ", ".join(f"{k}={shown(v)}" for k, v in sorted(spec.env.items()) if v not in secrets)
+    lines.append(f"    env: {env}")
     return lines

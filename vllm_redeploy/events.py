@@ -64,13 +64,19 @@ def reboot_event(cluster: str, node: str, boot_id: str, uptime_s: float) -> dict
     }
 
 
-def ready_event(cluster: str, mode: str, action: str, steps: dict[str, float]) -> dict[str, Any]:
-    """Arguments of ``prefect.events.emit_event`` for a run that ended with the model serving."""
-    return {
-        "event": EVENT_READY,
-        "resource": cluster_resource(cluster),
-        "payload": {"mode": mode, "action": action, "steps": steps},
-    }
+def ready_event(
+    cluster: str,
+    mode: str,
+    action: str,
+    steps: dict[str, float],
+    transport: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Arguments of ``prefect.events.emit_event`` for a run that ended with the model serving;
+    ``transport``: what NCCL used between the nodes, per node (``TransportVerdict.as_dict``)."""
+    payload: dict[str, Any] = {"mode": mode, "action": action, "steps": steps}
+    if transport is not None:
+        payload["transport"] = transport
+    return {"event": EVENT_READY, "resource": cluster_resource(cluster), "payload": payload}
 
 
 def failed_event(cluster: str, step: str, reason: str) -> dict[str, Any]:

@@ -24,7 +24,9 @@ from vllm_redeploy.nodes import NodeAccess, RemoteError, fan_out
 from vllm_redeploy.nodes.docker import LABEL_ROLE, cluster_labels
 from vllm_redeploy.plan import (
     ENGINE_ROLE,
+    LABEL_BACKEND,
     LABEL_LAUNCH,
+    Backend,
     RayMember,
     engine_container,
     launch_fingerprint,
@@ -33,10 +35,13 @@ from vllm_redeploy.plan import (
     ray_container,
     ray_members_argv,
 )
+from vllm_redeploy.plan_mp import FOLLOWER_ROLE, LEADER_ROLE, follower_container
 from vllm_redeploy.probe import ProbeVerdict, run_probe
 from vllm_redeploy.safe_text import one_line, shown
+from vllm_redeploy.transport import TransportVerdict, judge_nodes
 
 HTTP_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
+API_ROLES = (ENGINE_ROLE, LEADER_ROLE)
 RAY_TIMEOUT_S = 60.0
 
 
@@ -48,7 +53,8 @@ class ContainerStatus:
     running: bool
     uptime_s: float | None = None
     exit_code: int | None = None
-    launch: str | None = None  # the launch fingerprint it was started with (the engine's)
+    launch: str | None = None  # the launch fingerprint it was started with
+    backend: str | None = None  # ray or mp
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,7 @@ class ClusterStatus:
     ray: RayStatus
     endpoint: EndpointStatus
     problems: list[str]
+    transport: TransportVerdict | None = None  # what NCCL used, read from the ranks' logs
 
     @property
     def healthy(self) -> bool:
@@ -109,17 +116,24 @@ class ClusterStatus:
 
     @property
     def engine(self) -> ContainerStatus | None:
+        """The container that serves the API (the engine, or the mp leader)."""
         for node in self.nodes:
             for c in node.containers:
-                if c.role == ENGINE_ROLE:
+                if c.role in API_ROLES:
                     return c
         return None
+
+    @property
+    def backend(self) -> str | None:
+        return next((c.backend for n in self.nodes for c in n.containers if c.backend), None)
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["healthy"] = self.healthy
         data["endpoint"]["served"] = self.endpoint_serves
         data["endpoint"]["engine"] = asdict(self.engine) if self.engine else None
+        data["backend"] = self.backend
+        data["transport"] = self.transport.as_dict() if self.transport else None
         return data
 
     @property
@@ -139,26 +153,36 @@ def collect_status(config: ClusterConfig) -> ClusterStatus:
         outcomes = fan_out(config.nodes, lambda n: _node_status(n, config))
         ray = RayStatus()
         nodes = []
+        logs: list[tuple[str, str]] = []
         for node, outcome in zip(config.nodes, outcomes, strict=True):
             if outcome.value is not None:
-                status, members = outcome.value
+                status, members, rank_logs = outcome.value
                 nodes.append(status)
+                logs += [(node.name, text) for text in rank_logs]
                 if members is not None:
                     ray = members
             else:
                 nodes.append(_unreachable(node, config, str(outcome.error)))
         answered = endpoint.result()
-        return ClusterStatus(config.name, nodes, ray, answered, judge(config, nodes, ray, answered))
+        transport = None
+        if logs and len(config.nodes) > 1:
+            ips = {n.ip: n.name for n in config.nodes}
+            transport = judge_nodes(logs, ips, [n.name for n in config.nodes])
+        problems = judge(config, nodes, ray, answered)
+        return ClusterStatus(config.name, nodes, ray, answered, problems, transport)
 
 
-def _node_status(node: NodeConfig, config: ClusterConfig) -> tuple[NodeStatus, RayStatus | None]:
+def _node_status(
+    node: NodeConfig, config: ClusterConfig
+) -> tuple[NodeStatus, RayStatus | None, list[str]]:
+    """The node as it is; on the head also Ray's members; the logs of its running vLLM ranks."""
     role = "head" if node is config.head else "worker"
     with NodeAccess(node, config) as access:
         timeout = config.ssh.connect_timeout_s
         try:
             rtt = access.runner.round_trip_s(timeout=timeout)
         except RemoteError as exc:
-            return _unreachable(node, config, str(exc)), None
+            return _unreachable(node, config, str(exc)), None, []
         rtt_ms = round(rtt * 1000, 1)
         gpu = _gpu(access)
         try:
@@ -167,12 +191,24 @@ def _node_status(node: NodeConfig, config: ClusterConfig) -> tuple[NodeStatus, R
             status = NodeStatus(
                 node.name, node.address, node.ip, role, True, rtt_ms, str(exc), [], gpu
             )
-            return status, RayStatus(problems=[f"Ray unknown: {exc}"]) if role == "head" else None
+            unknown = RayStatus(problems=[f"Ray unknown: {exc}"]) if role == "head" else None
+            return status, unknown, []
         ray = _ray(access, config, containers) if role == "head" else None
         status = NodeStatus(
             node.name, node.address, node.ip, role, True, rtt_ms, None, containers, gpu
         )
-        return status, ray
+        return status, ray, _rank_logs(access, containers)
+
+
+def _rank_logs(access: NodeAccess, containers: list[ContainerStatus]) -> list[str]:
+    """Whole logs of the running containers whose ranks log NCCL's choice (with Ray the
+    engine's holds every node's; with mp each node's leader or follower its own)."""
+    logs = []
+    for c in containers:
+        if c.running and c.role in (*API_ROLES, FOLLOWER_ROLE):
+            with contextlib.suppress(RemoteError):
+                logs.append(access.docker.logs_tail(c.name, "all"))
+    return logs
 
 
 def _unreachable(node: NodeConfig, config: ClusterConfig, error: str) -> NodeStatus:
@@ -195,6 +231,7 @@ def _containers(
             max(0.0, round((now - c.started_at).total_seconds(), 1)) if c.started_at else None,
             c.exit_code,
             c.labels.get(LABEL_LAUNCH),
+            c.labels.get(LABEL_BACKEND),
         )
         for c in sorted(found, key=lambda c: c.name)
     ]
@@ -249,7 +286,7 @@ def judge(
     """What keeps the deployment from being whole, healthy and as configured (empty: healthy)."""
     problems = []
     engine_name = engine_container(config)
-    ray_name = ray_container(config)
+    backend = running_backend(config, nodes)
     for node in nodes:
         if not node.reachable:
             problems.append(f"{node.name} is unreachable: {node.error}")
@@ -258,10 +295,9 @@ def judge(
             problems.append(node.error)
             continue
         running = {c.name for c in node.containers if c.running}
-        if ray_name not in running:
-            problems.append(f"the Ray container on {node.name} is not running")
-        if node.role == "head" and engine_name not in running:
-            problems.append(f"the vLLM engine is not running on {node.name}")
+        for name, what in expected_containers(config, backend, node.role == "head"):
+            if name not in running:
+                problems.append(f"{what} on {node.name} is not running")
         engine = next((c for c in node.containers if c.name == engine_name and c.running), None)
         if engine is not None and engine.launch != launch_fingerprint(config):
             problems.append(
@@ -279,6 +315,30 @@ def judge(
     if not endpoint.probe.healthy and endpoint.models is not None:
         problems.append(f"the probe failed: {endpoint.probe.detail}")
     return problems
+
+
+def running_backend(config: ClusterConfig, nodes: list[NodeStatus]) -> Backend:
+    """The backend of what runs (its containers' label); with nothing of ours running, the
+    configured one (auto counts as ray, the backend our first users' images take)."""
+    for node in nodes:
+        for c in node.containers:
+            if c.backend in ("ray", "mp"):
+                return c.backend  # type: ignore[return-value]
+    return "mp" if config.vllm.backend == "mp" else "ray"
+
+
+def expected_containers(
+    config: ClusterConfig, backend: Backend, head: bool
+) -> list[tuple[str, str]]:
+    """(container, what it is in words) that must run on a node for the group to be whole."""
+    if backend == "mp":
+        if head:
+            return [(engine_container(config), "the vLLM leader (rank 0)")]
+        return [(follower_container(config), "the vLLM follower")]
+    expected = [(ray_container(config), "the Ray container")]
+    if head:
+        expected.append((engine_container(config), "the vLLM engine"))
+    return expected
 
 
 def duration(seconds: float | None) -> str:

@@ -24,8 +24,17 @@ from vllm_redeploy.parsers.vllm_log import LoadProgress
 from vllm_redeploy.plan import RayMember
 from vllm_redeploy.probe import ProbeVerdict
 from vllm_redeploy.safe_text import fenced, one_line
+from vllm_redeploy.transport import TransportVerdict
 
 PROBE_WORDS = 12
+
+
+class MemoryLike(Protocol):
+    """What the memory step reports for one node (``tasks.memory.MemoryReport``)."""
+
+    @property
+    def node(self) -> str: ...
+    def summary(self) -> str: ...
 
 
 class StopLike(Protocol):
@@ -54,7 +63,10 @@ class RunSummary:
     notes: list[str] = field(default_factory=list)
     stopped: Sequence[StopLike] = ()
     gpus: Sequence[GpuReport] = ()
+    memory: Sequence[MemoryLike] = ()
     members: Sequence[RayMember] = ()
+    backend: str | None = None  # the launch backend and why it was chosen
+    transport: TransportVerdict | None = None
     node_ips: dict[str, str] = field(default_factory=dict)  # fabric IP -> node name
     endpoint: str | None = None  # e.g. http://head:30000/v1
     model: str | None = None  # the served name
@@ -90,6 +102,7 @@ def render_markdown(summary: RunSummary) -> str:
         mark = " (failed)" if name == summary.failed_step else ""
         lines.append(f"| {name}{mark} | {seconds:g} |")
     lines += _nodes_section(summary)
+    lines += _fabric_section(summary.transport)
     lines += _ray_section(summary)
     lines += _vllm_section(summary)
     lines += _probe_section(summary.probe)
@@ -101,6 +114,7 @@ def render_markdown(summary: RunSummary) -> str:
 def _nodes_section(summary: RunSummary) -> list[str]:
     stops = {s.node: s for s in summary.stopped}
     gpus = {g.node: g for g in summary.gpus}
+    memory = {m.node: m for m in summary.memory}
     names = list(dict.fromkeys([*stops, *gpus]))
     if not names:
         return []
@@ -108,11 +122,12 @@ def _nodes_section(summary: RunSummary) -> list[str]:
         "",
         "## Nodes",
         "",
-        "| node | units stopped | containers removed | GPU |",
-        "| --- | --- | --- | --- |",
+        "| node | units stopped | containers removed | GPU | memory |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for name in names:
         stop, gpu = stops.get(name), gpus.get(name)
+        mem = memory[name].summary().removeprefix(f"{name}: ") if name in memory else "-"
         units = removed = "-"
         if stop is not None:
             units = ", ".join(stop.units_stopped) or "none"
@@ -122,7 +137,27 @@ def _nodes_section(summary: RunSummary) -> list[str]:
             if stop.own_removed:
                 removed += f"; ours from the last run: {', '.join(stop.own_removed)}"
         state = gpu_state(gpu) if gpu is not None else "-"
-        lines.append(f"| {name} | {_cell(units)} | {_cell(removed)} | {_cell(state)} |")
+        lines.append(
+            f"| {name} | {_cell(units)} | {_cell(removed)} | {_cell(state)} | {_cell(mem)} |"
+        )
+    return lines
+
+
+def _fabric_section(verdict: TransportVerdict | None) -> list[str]:
+    if verdict is None:
+        return []
+    lines = [
+        "",
+        "## Fabric",
+        "",
+        f"NCCL between the nodes: **{verdict.transport}**.",
+        "",
+        "| node | transport | HCAs used |",
+        "| --- | --- | --- |",
+    ]
+    for node in verdict.nodes:
+        hcas = ", ".join(node.hcas) or "-"
+        lines.append(f"| {node.node} | {node.transport} | {_cell(hcas)} |")
     return lines
 
 
@@ -164,6 +199,8 @@ def _ray_section(summary: RunSummary) -> list[str]:
 
 def _vllm_section(summary: RunSummary) -> list[str]:
     items = []
+    if summary.backend:
+        items.append(f"backend {_literal(summary.backend)}")
     if summary.image:
         image_id = f" ({_short_id(summary.image_id)})" if summary.image_id else ""
         items.append(f"image `{summary.image}`{image_id}")

@@ -10,13 +10,15 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.testbed import image
+from tests.testbed import fabric, image
 from tests.testbed.node import EmulatedNode, NodeSpec
 from tests.testbed.sshd import keygen
 
@@ -37,10 +39,20 @@ def ray_port(ip: str) -> int:
     return 6000 + (third * 256 + fourth) % 3000
 
 
+def master_port(ip: str) -> int:
+    """vLLM's mp rendezvous listens on every address too: each bed's head needs its own port,
+    above the ports tests hand out (procs.TEST_PORTS) and the API's 30000, below the ephemeral
+    range (32768)."""
+    *_, third, fourth = (int(part) for part in ip.split("."))
+    return 30001 + (third * 256 + fourth) % 2700
+
+
 MAX_NODES = 8
 SERVED_NAME = "Qwen3.5-122B-A10B-FP8"
 API_PORT = 30000  # vLLM's port in the config the bed writes, and the old stack's
 GPU_TOTAL_MIB = {"h200": 143771, "gb10": 124610}
+# What an operator of DGX Sparks sets: vLLM's default 0.9 is more than a Spark has free after boot.
+GPU_MEMORY_UTILIZATION = {"gb10": 0.75}
 
 
 @dataclass
@@ -51,6 +63,7 @@ class TestBed:
     gpu: str = "h200"
     nodes: list[EmulatedNode] = field(default_factory=list)
     bring_up_s: float = 0.0
+    vllm_image: str = image.BED_IMAGE  # the image cluster.toml names (all of BED_IMAGES are loaded)
 
     @property
     def client_key(self) -> Path:
@@ -86,19 +99,27 @@ class TestBed:
         root: Path = DEFAULT_ROOT,
         old_stack: bool = True,
         first_ip: int = FIRST_IP,
+        vllm_image: str = image.BED_IMAGE,
+        rdma: Mapping[str, str] | None = None,
     ) -> TestBed:
         """Bring up ``nodes`` nodes at NET.<first_ip>, <first_ip + 1>, ...; beds at other
-        addresses can run side by side (Ray and the API bind the nodes' own addresses)."""
+        addresses can run side by side (Ray and the API bind the nodes' own addresses).
+        ``rdma``: node name -> a tests.testbed.fabric preset, e.g. {"node-1": "both"}."""
         if not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"--nodes must be 1..{MAX_NODES}, got {nodes}")
+        rdma = dict(rdma or {})
+        names = {f"node-{i}" for i in range(1, nodes + 1)}
+        if set(rdma) - names or set(rdma.values()) - set(fabric.PRESETS):
+            raise ValueError(f"rdma {rdma}: nodes of {sorted(names)}, presets {fabric.PRESETS}")
         if (root / "bed.json").exists():
             raise RuntimeError(
                 f"a bed already runs at {root}: `python -m tests.testbed down` first"
             )
         started = time.monotonic()
+        fabric.sweep()  # interfaces a killed session's RDMA bed left could hold our addresses
         shutil.rmtree(root, ignore_errors=True)
         root.mkdir(parents=True)
-        bed = cls(root=root, gpu=gpu)
+        bed = cls(root=root, gpu=gpu, vllm_image=vllm_image)
         keygen(bed.client_key)
         bed.model_dir.mkdir(parents=True)
         (bed.model_dir / "config.json").write_text('{"architectures": ["Qwen3_5MoeForCausalLM"]}\n')
@@ -109,12 +130,17 @@ class TestBed:
                     bed_ip(first_ip + i - 1),
                     str(root / f"n{i}"),
                     str(root / "gpu" / bed_ip(first_ip + i - 1)),
+                    rdma=rdma.get(f"node-{i}", ""),
+                    rdma_state=str(root / "rdma" / f"{bed_ip(first_ip + i - 1)}.json"),
                 )
             )
             for i in range(1, nodes + 1)
         ]
         try:
             bed._parallel(lambda n: n.create(gpu, 1))
+            hcas = [len(n.fabric.hca_names) for n in bed.nodes if n.fabric]
+            if any(hcas):
+                fabric.claim_uverbs(root, max(hcas))
             bed._parallel(lambda n: n.start(bed.client_key))
             bed._install_images()
             if old_stack:
@@ -133,14 +159,22 @@ class TestBed:
             list(pool.map(fn, self.nodes))
 
     def _install_images(self) -> None:
-        """Import once on the first node; copy to the others by save/load (same image IDs)."""
+        """Import each image once on the first node, then copy them all to the others in one
+        `docker save | docker load` (same image IDs everywhere)."""
         first = self.nodes[0].engine
-        first.import_rootfs(image.rootfs(), image.BED_IMAGE, image.image_changes())
-        first.import_busybox(image.OLD_STACK_IMAGE)
-        bundles = [first.save(image.BED_IMAGE), first.save(image.OLD_STACK_IMAGE)]
-        for node in self.nodes[1:]:
-            for bundle in bundles:
-                node.engine.load(bundle)
+        rootfs = image.rootfs()
+        made: list[tuple[bytes, str, list[str] | None]] = [
+            (rootfs, m.tag, m.changes()) for m in image.BED_IMAGES
+        ]
+        made.append((image.busybox_rootfs(), image.OLD_STACK_IMAGE, None))
+        with ThreadPoolExecutor(max_workers=len(made)) as pool:
+            list(pool.map(lambda m: first.import_rootfs(*m), made))
+        tags = [tag for _, tag, _ in made]
+        save = ["docker", "--host", first.url, "save", *tags]
+        bundle = subprocess.run(save, capture_output=True, check=True).stdout
+        others = self.nodes[1:]
+        with ThreadPoolExecutor(max_workers=max(len(others), 1)) as pool:
+            list(pool.map(lambda n: n.engine.load(bundle), others))
 
     def install_old_stack(self) -> None:
         """What the user's boxes run after a reboot: a previous model's stack that auto-starts,
@@ -169,12 +203,17 @@ class TestBed:
     def down(self) -> None:
         if self.nodes:
             self._parallel(lambda n: n.destroy())
+        fabric.release_uverbs(self.root)  # the last bed using them removes /dev/infiniband/uverbs*
         shutil.rmtree(self.root, ignore_errors=True)
 
     # --- records ------------------------------------------------------------------------------
 
     def save(self) -> None:
-        data = {"gpu": self.gpu, "nodes": [n.record() for n in self.nodes]}
+        data = {
+            "gpu": self.gpu,
+            "image": self.vllm_image,
+            "nodes": [n.record() for n in self.nodes],
+        }
         (self.root / "bed.json").write_text(json.dumps(data, indent=1))
 
     @classmethod
@@ -184,10 +223,16 @@ class TestBed:
             raise RuntimeError(f"no bed at {root}: `python -m tests.testbed up` first")
         data = json.loads(path.read_text())
         nodes = [EmulatedNode(NodeSpec(**spec)) for spec in data["nodes"]]
-        return cls(root=root, gpu=data["gpu"], nodes=nodes)
+        return cls(
+            root=root, gpu=data["gpu"], nodes=nodes, vllm_image=data.get("image", image.BED_IMAGE)
+        )
 
     def settings(self) -> dict[str, Any]:
-        """The bed's cluster configuration as data, the way an operator describes real nodes."""
+        """The bed's cluster configuration as data, the way an operator describes real nodes.
+        Containers see their node's /proc/meminfo, as on a real host (Ray's memory monitor reads
+        it); on GB10 the vLLM stand-in uses the node's memory (standins/unified_memory.py)."""
+        unified = {"VRD_UNIFIED_MEMORY": "1"} if self.gpu == "gb10" else {}
+        util = GPU_MEMORY_UTILIZATION.get(self.gpu)
         return {
             "name": "bed",
             "nodes": [
@@ -206,17 +251,24 @@ class TestBed:
                 "connect_timeout_s": 5,
             },
             "vllm": {
-                "image": image.BED_IMAGE,
+                "image": self.vllm_image,
                 "model": str(self.model_dir),
                 "served_model_name": SERVED_NAME,
                 "port": API_PORT,
                 "host": self.nodes[0].ip,  # beds at other addresses can serve side by side
                 "tensor_parallel_size": len(self.nodes),
+                "master_port": master_port(self.nodes[0].ip),
                 "reasoning_parser": "qwen3",
                 "gpu_device_request": False,  # no GPUs here: the stand-ins emulate them
+                **({"gpu_memory_utilization": util} if util else {}),
                 "shm_size": "256m",
-                "volumes": [*image.runtime_mounts(), f"{self.root}:{self.root}"],
+                "volumes": [
+                    *image.runtime_mounts(),
+                    f"{self.root}:{self.root}",
+                    "/proc/meminfo:/proc/meminfo:ro",
+                ],
                 "env": {
+                    **unified,
                     "VRD_BED_ROOT": str(self.root),
                     "VRD_GPU_TOTAL_MIB": str(GPU_TOTAL_MIB[self.gpu]),
                     "VRD_LOAD_SECONDS": "3",
@@ -225,7 +277,8 @@ class TestBed:
             # Ray's GCS listens on all addresses: beds side by side need their own port.
             "ray": {
                 "port": ray_port(self.nodes[0].ip),
-                "extra_args": ["--num-cpus=1", "--object-store-memory=78643200"],
+                "object_store_bytes": 78643200,  # Ray's smallest
+                "extra_args": ["--num-cpus=1"],
             },
             "autostart": {"containers": ["glm-*"], "units": ["glm-server.service"]},
             "deadlines": {

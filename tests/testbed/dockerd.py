@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import docker
@@ -21,6 +21,7 @@ API_VERSION = "1.41"
 class DockerEngine:
     root: Path  # keep short: containerd's socket path under it must fit in 108 bytes
     pid: int = 0
+    enter: list[str] = field(default_factory=list)  # a prefix that runs it elsewhere (nsenter)
 
     @property
     def socket(self) -> Path:
@@ -39,6 +40,7 @@ class DockerEngine:
         shutil.rmtree(self.root / "exec", ignore_errors=True)
         proc = spawn(
             [
+                *self.enter,
                 DOCKERD,
                 "--bridge=none",
                 "--iptables=false",

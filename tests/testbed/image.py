@@ -1,24 +1,73 @@
-"""The test bed's image for Ray and vLLM containers, made without a registry.
+"""The test bed's images for Ray and vLLM containers, made without a registry.
 
 A tiny root filesystem (merged-/usr symlinks, a passwd file, the linker cache) is imported with
 `docker import`; at run time the host's /usr, Python and this checkout (with its venv, where Ray
-comes from PyPI) are bind-mounted at the same paths. ``vllm`` is the stand-in. The image is
+comes from PyPI) are bind-mounted at the same paths. ``vllm`` is the stand-in. Each image is
 imported once and copied to the other nodes with `docker save | docker load`, which keeps its
 ID, so every node has the same image ID as a real cluster should.
+
+The images take the shapes of the real ones (BED_IMAGES): a community build without ENTRYPOINT,
+vllm/vllm-openai (``ENTRYPOINT ["vllm", "serve"]``) with Ray (up to vLLM 0.17) and without it
+(vLLM 0.18 on), and NGC's nvcr.io/nvidia/vllm, whose entrypoint prints a banner, then runs the
+command. They share one root filesystem (one layer to copy) and differ in their configuration:
+without Ray, PATH leaves out the venv and leads to a `python3` that is the base interpreter with
+only its standard library (``-S``), so neither `ray` nor `import ray` is found.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import sys
 import tarfile
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 VENV = Path(sys.prefix)
 PYTHON_HOME = Path(sys.base_prefix)
-BED_IMAGE = "vrd-bed/vllm-ray:1"
+BED_IMAGE = "vrd-bed/vllm-ray:1"  # a community build: no ENTRYPOINT, Ray installed
+VLLM_OPENAI_IMAGE = "vrd-bed/vllm-openai:1"
+NGC_IMAGE = "vrd-bed/ngc-vllm:1"
+NO_RAY_IMAGE = "vrd-bed/vllm-openai-noray:1"
 OLD_STACK_IMAGE = "vrd-bed/old-stack:1"  # busybox: what the previous model's stack runs
+NGC_ENTRYPOINT = "/opt/nvidia/nvidia_entrypoint.sh"
+NO_RAY_BIN = "/opt/vrd/noray/bin"  # `vllm` and a `python3` without site-packages
+# What NGC's script prints before it runs the command (from entrypoint.d, abridged).
+NGC_BANNER = """
+==========
+== vLLM ==
+==========
+
+NVIDIA Release 25.11
+
+Container image Copyright (c) 2025, NVIDIA CORPORATION & AFFILIATES. All rights reserved.
+
+This container image and its contents are governed by the NVIDIA Deep Learning Container License.
+By pulling and using the container, you accept the terms and conditions of this license:
+https://developer.nvidia.com/ngc/nvidia-deep-learning-container-license
+"""
+
+
+@dataclass(frozen=True)
+class BedImage:
+    tag: str
+    entrypoint: tuple[str, ...] | None  # the image's ENTRYPOINT; None: it declares none
+    ray: bool  # Ray runs in it: `ray` on PATH and `import ray` in its Python
+
+    def changes(self) -> list[str]:
+        changes = image_changes(self.ray)
+        if self.entrypoint is not None:
+            changes.append(f"ENTRYPOINT {json.dumps(list(self.entrypoint))}")
+        return changes
+
+
+BED_IMAGES = (
+    BedImage(BED_IMAGE, None, ray=True),
+    BedImage(VLLM_OPENAI_IMAGE, ("vllm", "serve"), ray=True),
+    BedImage(NGC_IMAGE, (NGC_ENTRYPOINT,), ray=True),
+    BedImage(NO_RAY_IMAGE, ("vllm", "serve"), ray=False),
+)
 
 
 def runtime_mounts() -> list[str]:
@@ -29,8 +78,9 @@ def runtime_mounts() -> list[str]:
     return [f"{p}:{p}:ro" for p in paths]
 
 
-def image_changes() -> list[str]:
-    path = f"/opt/vrd/bin:{VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+def image_changes(ray: bool = True) -> list[str]:
+    bins = f"/opt/vrd/bin:{VENV}/bin" if ray else NO_RAY_BIN
+    path = f"{bins}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
     return [
         f"ENV PATH={path}",
         f"ENV PYTHONPATH={REPO}",
@@ -62,6 +112,8 @@ def rootfs() -> bytes:
             ("run", 0o755),
             ("etc", 0o755),
             ("opt/vrd/bin", 0o755),
+            (NO_RAY_BIN.lstrip("/"), 0o755),
+            ("opt/nvidia", 0o755),
             ("var/tmp", 0o1777),
         ):
             _dir(tar, directory, mode)
@@ -74,8 +126,17 @@ def rootfs() -> bytes:
         ld_cache = Path("/etc/ld.so.cache")
         if ld_cache.exists():
             _file(tar, "etc/ld.so.cache", ld_cache.read_bytes())
-        shim = f'#!/bin/sh\nexec {VENV}/bin/python -m tests.testbed.standins.vllm_standin "$@"\n'
-        _file(tar, "opt/vrd/bin/vllm", shim.encode(), 0o755)
+        for bin_dir, python in (
+            ("opt/vrd/bin", f"{VENV}/bin/python"),
+            (NO_RAY_BIN.lstrip("/"), f"{NO_RAY_BIN}/python3"),
+        ):
+            shim = f'#!/bin/sh\nexec {python} -m tests.testbed.standins.vllm_standin "$@"\n'
+            _file(tar, f"{bin_dir}/vllm", shim.encode(), 0o755)
+        bare = f'#!/bin/sh\nexec {PYTHON_HOME}/bin/python3 -S "$@"\n'
+        _file(tar, f"{NO_RAY_BIN.lstrip('/')}/python3", bare.encode(), 0o755)
+        run = '[ $# -gt 0 ] || set -- /bin/sh\nexec "$@"\n'
+        script = f"#!/bin/sh\ncat <<'EOF'\n{NGC_BANNER}EOF\n{run}"
+        _file(tar, NGC_ENTRYPOINT.lstrip("/"), script.encode(), 0o755)
     return buf.getvalue()
 
 
@@ -83,7 +144,8 @@ def busybox_rootfs() -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         tar.add("/bin/busybox", arcname="bin/busybox")
-        for applet in ("sh", "sleep", "cat", "echo", "true", "false", "env", "ls", "timeout"):
+        applets = ("sh", "sleep", "cat", "echo", "true", "false", "env", "ls", "timeout", "sync")
+        for applet in applets:
             _symlink(tar, f"bin/{applet}", "busybox")
         for directory in ("tmp", "proc", "sys", "dev", "etc"):
             _dir(tar, directory, 0o1777 if directory == "tmp" else 0o755)

@@ -32,6 +32,7 @@ class SSHServer:
     port: int = 0
     host_key: Path | None = None
     pid: int = 0
+    enter: list[str] = field(default_factory=list)  # a prefix that runs it elsewhere (nsenter)
 
     def start(self) -> SSHServer:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -64,7 +65,8 @@ class SSHServer:
                 ]
             )
         )
-        self.pid = spawn([SSHD, "-D", "-e", "-f", str(config)], self.root / "sshd.log").pid
+        argv = [*self.enter, SSHD, "-D", "-e", "-f", str(config)]
+        self.pid = spawn(argv, self.root / "sshd.log").pid
         wait_until(self._banner, 10, f"sshd on {self.host}:{self.port}", self.root / "sshd.log")
         return self
 

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Generic, Self, TypeVar
+from typing import Any, Generic, Self, TypeVar
 
 from vllm_redeploy.config import ClusterConfig, NodeConfig
 from vllm_redeploy.nodes.docker import NodeDocker, node_docker_for
@@ -14,6 +14,7 @@ from vllm_redeploy.nodes.errors import RemoteError
 from vllm_redeploy.nodes.local import LocalRunner
 from vllm_redeploy.nodes.runner import Runner
 from vllm_redeploy.nodes.ssh import SSHRunner, SSHTarget
+from vllm_redeploy.parsers.fabric import FABRIC_ARGV, FabricFacts, parse_fabric
 
 T = TypeVar("T")
 
@@ -116,19 +117,44 @@ class NodeReport:
     rtt_ms: float | None = None
     docker_version: str | None = None
     error: str | None = None
+    fabric: dict[str, Any] | None = None  # what the fabric discovery found (fabric_summary)
 
 
 def check_node(node: NodeConfig, config: ClusterConfig) -> NodeReport:
-    """Reach the node, time a round trip, and ask its Docker engine for its version."""
+    """Reach the node, time a round trip, ask its Docker engine for its version, and discover its
+    fabric (the interface owning the fabric IP, its RDMA HCAs, MTU)."""
     with NodeAccess(node, config) as access:
         try:
             rtt = access.runner.round_trip_s(timeout=config.ssh.connect_timeout_s)
         except RemoteError as exc:
             return NodeReport(node.name, node.address, node.transport, False, error=str(exc))
         try:
+            found = access.runner.run(list(FABRIC_ARGV), check=False)
+            fabric = fabric_summary(parse_fabric(found.stdout, node.ip))
+        except RemoteError:
+            fabric = None
+        try:
             version = access.docker.version()
         except RemoteError as exc:
             return NodeReport(
-                node.name, node.address, node.transport, True, rtt * 1000, error=str(exc)
+                node.name, node.address, node.transport, True, rtt * 1000, str(exc), fabric
             )
-    return NodeReport(node.name, node.address, node.transport, True, rtt * 1000, version)
+    return NodeReport(
+        node.name, node.address, node.transport, True, rtt * 1000, version, None, fabric
+    )
+
+
+def fabric_summary(facts: FabricFacts) -> dict[str, Any]:
+    """A node's fabric as people and scripts read it."""
+    return {
+        "interface": facts.interface,
+        "mtu": facts.mtu,
+        "twins": list(facts.twins),
+        "hcas": [
+            {"name": h.name, "port": h.port, "state": h.state, "netdev": h.netdev}
+            for h in facts.hcas
+        ],
+        "nccl_ib_hca": facts.nccl_ib_hca,
+        "rdma_devices": list(facts.rdma_devices),
+        "problems": list(facts.problems()),
+    }

@@ -22,7 +22,7 @@ import paramiko
 import requests
 from docker.models.containers import Container
 from docker.transport.sshconn import SSHHTTPAdapter
-from docker.types import DeviceRequest
+from docker.types import DeviceRequest, Ulimit
 
 from vllm_redeploy import PROJECT
 from vllm_redeploy.nodes.errors import RemoteError
@@ -97,6 +97,10 @@ class ContainerSpec:
     shm_size: str | None = None
     gpus: int | None = None  # None: no GPU request; -1: all GPUs of the node
     pid_mode: str | None = None  # e.g. "container:NAME" to share another container's PIDs
+    devices: Sequence[str] = ()  # docker --device syntax: HOST[:CONTAINER[:PERMISSIONS]]
+    cap_add: Sequence[str] = ()
+    ulimits: Mapping[str, int] = field(default_factory=dict)  # name -> soft = hard; -1 unlimited
+    privileged: bool = False
 
 
 class _RunnerSSHAdapter(SSHHTTPAdapter):
@@ -185,6 +189,10 @@ class NodeDocker:
     def version(self) -> str:
         return self._call("version", lambda: self._client.version()["Version"])
 
+    def cgroup_driver(self) -> str:
+        """The engine's cgroup driver: "systemd" or "cgroupfs" (`docker info`)."""
+        return self._call("info", lambda: str(self._client.info().get("CgroupDriver", "")))
+
     def image_id(self, image: str) -> str | None:
         """The local image ID of ``image``, or None when the node does not have it."""
 
@@ -272,6 +280,10 @@ class NodeDocker:
                 ipc_mode="host",
                 pid_mode=spec.pid_mode,
                 device_requests=device_requests,
+                devices=list(spec.devices) or None,
+                cap_add=list(spec.cap_add) or None,
+                ulimits=[Ulimit(name=k, soft=v, hard=v) for k, v in spec.ulimits.items()] or None,
+                privileged=spec.privileged,
                 restart_policy={"Name": "no"},
             )
             return container.id
@@ -288,7 +300,8 @@ class NodeDocker:
         finally:
             self.remove(spec.name)
 
-    def logs_tail(self, name: str, lines: int = 50) -> str:
+    def logs_tail(self, name: str, lines: int | str = 50) -> str:
+        """The container's last ``lines`` log lines (``"all"``: from its start)."""
         return self._call(
             f"read logs of {name}",
             lambda: self._client.api.logs(name, stdout=True, stderr=True, tail=lines).decode(

@@ -57,9 +57,11 @@ Transport = Literal["rdma", "socket", "mixed", "unknown"]
 # ESC [ ... final byte (CSI), and SGR colour codes whose ESC got lost on the way ("[36m").
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-_]|\[\d{1,3}(?:;\d{1,3})*m")
 # host:pid:tid [cudaDev] (file.cc:line )NCCL LEVEL  - bounded so that no input is slow.
+# "host:pid:tid [dev] NCCL INFO ...", the prefix NCCL writes; lines quoted without it (docs,
+# issues, an operator's paste) count as one process.
 _NCCL = re.compile(
-    r"(?<![\w.-])(?P<host>[\w.-]{1,255}):(?P<pid>\d{1,10}):\d{1,10} \[-?\d{1,5}\]"
-    r"(?: [\w./-]{1,200}:\d{1,10})? NCCL (?P<level>INFO|WARN|ABORT|TRACE) ?"
+    r"(?:(?<![\w.-])(?P<host>[\w.-]{1,255}):(?P<pid>\d{1,10}):\d{1,10} \[-?\d{1,5}\]"
+    r"(?: [\w./-]{1,200}:\d{1,10})? |(?<![\w.-]))NCCL (?P<level>INFO|WARN|ABORT|TRACE) ?"
 )
 # "(RayWorkerWrapper pid=1234, ip=192.168.200.13)", "(Worker_TP1 pid=5678)".
 _PROCESS = re.compile(r"\([\w.-]{1,100}((?:,? {1,3}\w{1,30}=[^\s,()]{0,100}){1,10})\)")
@@ -97,7 +99,7 @@ class RankTransport:
     @property
     def identity(self) -> str:
         """``192.168.200.13/node2:1234`` with a Ray prefix, else ``node2:1234``."""
-        where = f"{self.host}:{self.pid}"
+        where = f"{self.host}:{self.pid}" if self.host else "(no process prefix)"
         return f"{self.ip}/{where}" if self.ip else where
 
     @property
@@ -169,7 +171,8 @@ def nccl_lines(text: str) -> Iterator[tuple[tuple[str | None, str, int], str, st
         for match, after in zip(matches, [*matches[1:], None], strict=True):
             end = after.start() if after else len(line)
             message = _REPEATED.sub("", line[match.end() : end]).strip()
-            yield (ip, match["host"], int(match["pid"])), match["level"], message
+            host, pid = match["host"] or "", int(match["pid"] or 0)
+            yield (ip, host, pid), match["level"], message
 
 
 @dataclass

@@ -23,3 +23,14 @@ def last_load_progress(text: str) -> LoadProgress | None:
         return None
     percent, done, total = matches[-1]
     return LoadProgress(int(percent), int(done), int(total))
+
+
+# NCCL's INFO lines (on by default so the transport can be proven) would fill any tail of the
+# engine's log; people reading why a load failed want vLLM's own lines and NCCL's warnings.
+_NCCL_INFO = re.compile(r"\bNCCL INFO\b")
+
+
+def tail_for_people(text: str, lines: int) -> str:
+    """The last ``lines`` lines of a log, NCCL's INFO lines left out."""
+    kept = [line for line in text.splitlines() if not _NCCL_INFO.search(line)]
+    return "\n".join(kept[-lines:])

@@ -156,13 +156,22 @@ def _host_pids(tokens: set[str]) -> dict[str, int]:
 
 
 def _hold(argv: list[str]) -> None:
-    """``python gpu_state.py DIR MIB NAME``: a stray process holding GPU memory until killed."""
+    """``python gpu_state.py DIR MIB NAME``: a stray process holding GPU memory until killed;
+    on a unified-memory node (GB10) that memory is the node's (tests.testbed.memory)."""
     import signal
     import time
 
     directory, mib, name = Path(argv[0]), int(argv[1]), argv[2]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    with register(directory, name, mib):
+    with register(directory, name, mib), contextlib.ExitStack() as stack:
+        try:
+            from tests.testbed import memory
+        except ImportError:  # run outside the repository: GPU memory only
+            memory = None  # type: ignore[assignment]
+        if memory is not None:
+            node = memory.NodeMemory(directory)
+            if node.exists() and node.unified:
+                stack.callback(node.hold(name, mib * 1024).release)
         print("holding", flush=True)
         while True:
             time.sleep(3600)

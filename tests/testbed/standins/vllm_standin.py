@@ -10,17 +10,32 @@ With TP x PP > 1, or ``--distributed-executor-backend ray``, it joins the Ray cl
 of ``{"GPU": 1}`` bundles whose first bundle is pinned to ``node:<VLLM_HOST_IP>``, waiting (and
 saying so in vLLM's words) while it cannot be placed. One Ray actor per rank holds "GPU memory"
 on its own node through :mod:`gpu_state`; if one dies, ``/health`` turns 503 and the server exits 1.
+On a unified-memory node (GB10, ``VRD_UNIFIED_MEMORY=1``) the ranks check, fill and hold the node's
+emulated memory instead (:mod:`unified_memory`).
+With more than one rank, every rank then joins one NCCL communicator (:mod:`nccl`): it picks IB
+or sockets from what its own container sees (verbs devices, memlock, the node's HCAs, its
+interfaces, its environment plus what vLLM copies from the driver) and prints NCCL's lines when
+``NCCL_DEBUG`` asks; Ray forwards them to the engine's log. A rank NCCL fails in fails the engine.
+
+With ``--nnodes N`` > 1 it is vLLM's own multi-node launcher instead (no Ray, see
+:mod:`mp_launcher`): node-rank 0 leads (hosts the rendezvous on ``--master-port``, loads, serves),
+``--headless`` ranks follow (join it from their VLLM_HOST_IP, serve nothing). Each node's ranks
+hold that node's GPUs and print their NCCL lines in that node's log.
 
 Test-bed knobs (environment):
 
 - ``VRD_VLLM_VERSION`` (0.19.0), ``VRD_LOAD_SECONDS`` (2: from the process's start to serving,
   as an operator times `vllm serve`; joining Ray comes out of it), ``VRD_SHARDS`` (4),
   ``VRD_GPU_STATE`` (per node; unset: hold nothing), ``VRD_GPU_TOTAL_MIB`` (143771),
+  ``VRD_UNIFIED_MEMORY`` (1: the node's memory model on GB10 nodes, see :mod:`unified_memory`),
   ``VRD_REASONING_FIELD`` = reasoning | reasoning_content | both,
   ``VRD_PG_LOG_INTERVAL`` (10 s, doubling like vLLM), ``VRD_PG_WAIT_TIMEOUT`` (1800 s, vLLM's),
-  ``VRD_DEAD_EXIT_DELAY`` (3 s between a dead rank and the exit).
+  ``VRD_DEAD_EXIT_DELAY`` (3 s between a dead rank and the exit),
+  ``VRD_RENDEZVOUS_TIMEOUT`` (shortens the mp rendezvous' 600 s), ``VRD_HANDSHAKE_TIMEOUT``
+  (300 s: a headless node-rank 0 waiting for a front-end).
 - ``VRD_FAULT``: comma-separated ``name[:value]``: crash_during_load, exit_during_load:N, hang,
-  wrong_name:NAME, health_503, empty, slow:SECONDS, http_500, html_error, malformed_json.
+  wrong_name:NAME, health_503, empty, slow:SECONDS, http_500, html_error, malformed_json,
+  firewall:NODE_IP (an mp follower on that node cannot reach the leader: its packets are dropped).
 
 Only the standard library and Ray are imported (Ray lazily): this runs inside test containers.
 """
@@ -44,7 +59,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from tests.testbed.standins import gpu_state
+from tests.testbed import memory
+from tests.testbed.standins import gpu_state, mp_launcher, nccl, rdma, unified_memory
 
 PROCESS_STARTED = time.monotonic()
 
@@ -52,6 +68,7 @@ DEFAULT_VERSION = "0.19.0"
 DEFAULT_MAX_MODEL_LEN = 262144
 DEFAULT_GPU_TOTAL_MIB = 143771
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"  # what `vllm serve` loads when no model is named
+WEIGHTS_SHARE = 0.6  # of utilization x total: one rank's weights
 KNOWN_FAULTS = (
     "crash_during_load",
     "exit_during_load",
@@ -63,6 +80,7 @@ KNOWN_FAULTS = (
     "http_500",
     "html_error",
     "malformed_json",
+    "firewall",  # firewall:<node ip>: an mp follower there cannot reach the leader
 )
 REASONING_PARSERS = (
     "deepseek_r1",
@@ -106,6 +124,7 @@ class Knobs:
     shards: int = 4
     gpu_state_dir: str | None = None
     gpu_total_mib: int = DEFAULT_GPU_TOTAL_MIB
+    unified_memory: bool = False
     reasoning_field: str = "reasoning"
     pg_log_interval: float = 10.0
     pg_wait_timeout: float = 1800.0
@@ -127,6 +146,7 @@ class Knobs:
             shards=max(1, int(env.get("VRD_SHARDS", "4"))),
             gpu_state_dir=node_gpu_state(env),
             gpu_total_mib=int(env.get("VRD_GPU_TOTAL_MIB", str(DEFAULT_GPU_TOTAL_MIB))),
+            unified_memory=env.get(unified_memory.ENV) == "1",
             reasoning_field=field_mode,
             pg_log_interval=float(env.get("VRD_PG_LOG_INTERVAL", "10")),
             pg_wait_timeout=float(env.get("VRD_PG_WAIT_TIMEOUT", "1800")),
@@ -167,17 +187,25 @@ class Log:
             out.write(text if text.endswith("\n") else text + "\n")
             out.flush()
 
-    def _emit(self, proc: str, level: str, where: str, message: str) -> None:
+    def emit(self, proc: str | None, level: str, where: str, message: str) -> None:
+        """A line of process ``proc``; None: one whose output vLLM leaves undecorated (the
+        main process of `vllm serve --headless`)."""
         stamp = time.strftime("%m-%d %H:%M:%S")
-        prefix = f"({proc} pid={self.pid}) {level} {stamp} [{where}] "
+        process = f"({proc} pid={self.pid}) " if proc else ""
+        prefix = f"{process}{level} {stamp} [{where}] "
         # vLLM's NewLineFormatter repeats the prefix on every line of a multi-line message.
         self.write("\n".join(prefix + line for line in message.splitlines() or [""]))
 
+    def traceback(self, text: str, proc: str | None = None) -> None:
+        """An uncaught exception: Python's traceback on stderr, under the process's prefix."""
+        process = f"({proc} pid={self.pid}) " if proc else ""
+        self.write("\n".join(process + line for line in text.splitlines()), sys.stderr)
+
     def api(self, level: str, where: str, message: str) -> None:
-        self._emit("APIServer", level, where, message)
+        self.emit("APIServer", level, where, message)
 
     def engine(self, level: str, where: str, message: str) -> None:
-        self._emit("EngineCore_DP0", level, where, message)
+        self.emit("EngineCore_DP0", level, where, message)
 
     def uvicorn(self, message: str, level: str = "INFO") -> None:
         self.write(f"(APIServer pid={self.pid}) {level + ':':<9} {message}")
@@ -271,6 +299,18 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-num-seqs", type=int, default=None)
     serve.add_argument("--enforce-eager", action="store_true")
     serve.add_argument("--reasoning-parser", default="", choices=["", *REASONING_PARSERS])
+    add_multi_node_arguments(serve)
+
+
+def add_multi_node_arguments(serve: argparse.ArgumentParser) -> None:
+    """vLLM 0.19's own multi-node launcher (ParallelConfig's group, and the frontend's)."""
+    serve.add_argument("--master-addr", default="127.0.0.1")
+    serve.add_argument("--master-port", type=int, default=29501)
+    serve.add_argument("--nnodes", "-n", type=int, default=1)
+    serve.add_argument("--node-rank", "-r", type=int, default=0)
+    serve.add_argument("--distributed-timeout-seconds", type=int, default=None)
+    serve.add_argument("--headless", action="store_true")
+    serve.add_argument("--api-server-count", "-asc", type=int, default=None)
 
 
 def non_default_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -293,6 +333,7 @@ class ServeConfig:
     reasoning_parser: str
     gpu_util: float
     max_model_len: int
+    launch: mp_launcher.MpLaunch = field(default_factory=mp_launcher.MpLaunch)
 
     @property
     def world_size(self) -> int:
@@ -300,13 +341,28 @@ class ServeConfig:
 
     @property
     def uses_ray(self) -> bool:
+        if self.launch.multi_node:  # vLLM picks mp for nnodes > 1 (and refuses ray)
+            return False
         return self.backend == "ray" or (self.world_size > 1 and self.backend is None)
+
+
+def mp_launch(args: argparse.Namespace) -> mp_launcher.MpLaunch:
+    return mp_launcher.MpLaunch(
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        headless=args.headless,
+        world_size=args.tensor_parallel_size * args.pipeline_parallel_size,
+        timeout_s=mp_launcher.rendezvous_timeout(args.distributed_timeout_seconds, os.environ),
+    )
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
     model = args.model_tag or args.model
     args.model = model  # vLLM copies the positional tag into --model (and logs both)
     return ServeConfig(
+        launch=mp_launch(args),
         model=model,
         served_names=list(args.served_model_name or [model]),
         host=args.host or "0.0.0.0",
@@ -410,13 +466,12 @@ def check_free_memory(
     held = sum(p.used_mib for p in gpu_state.live_processes(directory) if p.gpu == gpu)
     free = total_mib - held
     if free < want_mib:
-        gib = 1024.0
-        raise FreeMemoryError(
-            f"Free memory on device ({round(free / gib, 2)}/{round(total_mib / gib, 2)} GiB) on "
-            f"startup is less than desired GPU memory utilization ({util}, "
-            f"{round(want_mib / gib, 2)} GiB). Decrease GPU memory utilization or reduce GPU "
-            "memory used by other processes."
-        )
+        raise FreeMemoryError(unified_memory.free_memory_message(free, total_mib, want_mib, util))
+
+
+def node_memory(knobs: Knobs) -> memory.NodeMemory | None:
+    """This node's memory when the GPU allocates from it (GB10) and the knob asks for it."""
+    return unified_memory.node_memory(knobs.gpu_state_dir) if knobs.unified_memory else None
 
 
 def hold_gpu(knobs: Knobs, name: str, util: float, gpu: int = 0) -> gpu_state.Registration | None:
@@ -424,8 +479,22 @@ def hold_gpu(knobs: Knobs, name: str, util: float, gpu: int = 0) -> gpu_state.Re
         return None
     directory = Path(knobs.gpu_state_dir)
     want = int(util * knobs.gpu_total_mib)
-    check_free_memory(directory, gpu, want, knobs.gpu_total_mib, util)
+    node = node_memory(knobs)
+    if node is None:
+        check_free_memory(directory, gpu, want, knobs.gpu_total_mib, util)
+    elif problem := unified_memory.shortfall(node, want, knobs.gpu_total_mib, util):
+        raise FreeMemoryError(problem)
     return gpu_state.register(directory, name, want, gpu=gpu)
+
+
+def start_load(knobs: Knobs, name: str, util: float) -> unified_memory.UnifiedLoad | None:
+    """What the rank's load takes from a unified-memory node (None elsewhere)."""
+    node = node_memory(knobs)
+    if node is None:
+        return None
+    kib = unified_memory.KIB_PER_MIB
+    weights = int(WEIGHTS_SHARE * util * knobs.gpu_total_mib * kib)
+    return unified_memory.UnifiedLoad(node, name, weights, int(util * knobs.gpu_total_mib * kib))
 
 
 class RayWorkerWrapper:
@@ -443,17 +512,51 @@ class RayWorkerWrapper:
             f"assigned as DP rank 0, PP rank {rank // tp}, TP rank {rank % tp}, EP rank {rank}",
             flush=True,
         )
-        self._hold = hold_gpu(knobs, "ray::RayWorkerWrapper", util, self.gpu)
+        try:
+            self._hold = hold_gpu(knobs, "ray::RayWorkerWrapper", util, self.gpu)
+        except FreeMemoryError as error:
+            raise ValueError(str(error)) from None  # the type vLLM's workers raise
+        self._load = start_load(knobs, "ray::RayWorkerWrapper", util)
+        self.rank = rank
 
     def ping(self) -> int:
         return os.getpid()
+
+    def load_shard(self, shards: int) -> None:
+        if self._load is not None:
+            self._load.shard(shards)
+
+    def init_kv_cache(self) -> None:
+        if self._load is not None:
+            self._load.kv_cache()
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def init_device(self, node_ips: list[str], comm_id: int, copied: dict[str, str]) -> str:
+        """NCCL's communicator, as this rank's process sees the node: its environment (with
+        what vLLM copies from the driver), devices, limits and interfaces."""
+        comm = nccl.Comm(self.rank, node_ips, comm_id)
+        try:
+            return nccl.init_rank(
+                comm, {**os.environ, **copied}, lambda line: print(line, flush=True)
+            )
+        except nccl.NcclError as error:
+            raise RuntimeError(str(error)) from None
 
 
 # --------------------------------------------------------------------------- engine
 
 
 class EngineFailed(Exception):
-    """The engine could not start; the message is what vLLM would have logged."""
+    """The engine could not start; the message is what vLLM would have logged, ``procs`` what
+    the API server then lists as failed core processes."""
+
+    def __init__(self, message: str, procs: str = "{}") -> None:
+        super().__init__(message)
+        self.procs = procs
 
 
 @dataclass
@@ -465,22 +568,99 @@ class Engine:
     log: Log
     dead: threading.Event = field(default_factory=threading.Event)
     holds: list[gpu_state.Registration] = field(default_factory=list)  # flocks live with these
+    loads: list[unified_memory.UnifiedLoad] = field(default_factory=list)
     actors: list[Any] = field(default_factory=list)
+    ranks: RayRanks | None = None
+    mp: mp_launcher.MpNode | None = None
 
     def start(self) -> None:
         self.log.engine("INFO", "core.py:93", self._config_line())
         if self.config.uses_ray:
-            RayRanks(self).start()
+            self.ranks = RayRanks(self)
+            self.ranks.start()
+        elif self.config.launch.multi_node:
+            self._lead()
         else:
             self._hold_locally()
 
     def _hold_locally(self) -> None:
         world = self.config.world_size
         for rank in range(world):
-            name = "VLLM::EngineCore" if world == 1 else f"VLLM::Worker_TP{rank}"
-            hold = hold_gpu(self.knobs, name, self.config.gpu_util, gpu=rank)
-            if hold is not None:
-                self.holds.append(hold)
+            self._hold("VLLM::EngineCore" if world == 1 else f"VLLM::Worker_TP{rank}", rank)
+
+    def _hold(self, name: str, gpu: int) -> None:
+        hold = hold_gpu(self.knobs, name, self.config.gpu_util, gpu=gpu)
+        if hold is not None:
+            self.holds.append(hold)
+        load = start_load(self.knobs, name, self.config.gpu_util)
+        if load is not None:
+            self.loads.append(load)
+
+    def _lead(self) -> None:
+        launch = self.config.launch
+        leader = mp_launcher.leader_line(launch, os.environ)
+        self.log.engine("INFO", "multiproc_executor.py:134", leader)
+        try:
+            self.start_mp()
+        except mp_launcher.ExecutorFailed:
+            raise EngineFailed(mp_launcher.ENGINE_START_TRACE, mp_launcher.ENGINE_PROCS) from None
+
+    def start_mp(self) -> None:
+        """This node's ranks of vLLM's own multi-node launch: the rendezvous and NCCL, then
+        each holds its GPU. Raises mp_launcher.ExecutorFailed (the failed worker logged)."""
+        c = self.config
+        log = self.log
+        self.mp = mp_launcher.MpNode(c.launch, c.tp, c.pp, log.emit, log.write, os.environ)
+        self.mp.start()
+        for local, rank in enumerate(c.launch.ranks):
+            try:
+                self._hold("VLLM::" + mp_launcher.worker_name(rank, c.tp, c.pp), local)
+            except FreeMemoryError as error:
+                raise self.mp.memory_failed(rank, str(error)) from None
+        self.mp.devices_ready()
+
+    def load_shard(self, shards: int) -> None:
+        """Every rank has read one more of ``shards`` files (unified memory: see start_load)."""
+        if self.ranks is not None and self.knobs.unified_memory:
+            self.ranks.call("load_shard", shards)
+        for load in self.loads:
+            load.shard(shards)
+
+    def init_kv_cache(self) -> None:
+        if self.mp is not None and self.config.launch.leader:
+            self._profile_run()
+        if self.ranks is not None and self.knobs.unified_memory:
+            self.ranks.call("init_kv_cache")
+        for load in self.loads:
+            load.kv_cache()
+
+    def _profile_run(self) -> None:
+        """The first collective after the load: a node gone meanwhile fails the engine."""
+        assert self.mp is not None
+        try:
+            self.mp.all_reduce(mp_launcher.PROFILE_RUN)
+        except mp_launcher.PeerLost:
+            raise EngineFailed(mp_launcher.WORKER_FAILED_TRACE, mp_launcher.ENGINE_PROCS) from None
+
+    def execute_model(self) -> None:
+        """One model step. On mp it is a collective of every node: vLLM serves on (``/health``
+        200) after a node is gone, until the next step fails and kills the engine."""
+        if self.mp is None or self.dead.is_set():
+            return
+        try:
+            self.mp.all_reduce()
+        except mp_launcher.PeerLost:
+            fatal = f"EngineCore encountered a fatal error.\n{mp_launcher.STEP_FAILED_TRACE}"
+            self.log.engine("ERROR", "core.py:1110", fatal)
+            self.log.api("ERROR", "async_llm.py:526", "AsyncLLM output_handler failed.")
+            dead = f"vllm.v1.engine.exceptions.EngineDeadError: {ENGINE_DEAD_MESSAGE}"
+            self.log.api("ERROR", "async_llm.py:526", dead)
+            self.dead.set()
+
+    def watch(self) -> None:
+        """From now on a dead rank kills the engine (before, the calls to it fail)."""
+        if self.ranks is not None:
+            threading.Thread(target=self.ranks.watch, name="rank-monitor", daemon=True).start()
 
     def _config_line(self) -> str:
         c = self.config
@@ -518,7 +698,16 @@ class RayRanks:
         group = self._placement_group(driver_ip)
         self._verify_bundles(group, node_id)
         self.engine.actors = self._start_ranks(group)
-        threading.Thread(target=self._watch, name="rank-monitor", daemon=True).start()
+
+    def call(self, method: str, *args: Any) -> None:
+        """Run ``method`` on every rank at once, as vLLM's collective_rpc does."""
+        import ray
+
+        try:
+            ray.get([getattr(a, method).remote(*args) for a in self.engine.actors])
+        except ray.exceptions.RayError as error:
+            cause = f"ray.exceptions.{type(error).__name__}: {error}"
+            raise EngineFailed(RAY_RPC_TRACE + cause) from None
 
     def _warn_on_gpu_counts(self, node_id: str) -> None:
         import ray
@@ -645,9 +834,24 @@ class RayRanks:
             ray.get([actor.ping.remote() for actor in actors])
         except ray.exceptions.RayActorError as error:
             raise EngineFailed(str(error)) from error
+        if self.world > 1:
+            self._init_nccl(actors)
         return actors
 
-    def _watch(self) -> None:
+    def _init_nccl(self, actors: list[Any]) -> None:
+        """Every rank joins one NCCL communicator at once, as vLLM's init_device does."""
+        import ray
+
+        copied = env_copied_to_workers(self.log)
+        node_ips = ray.get([actor.node_ip.remote() for actor in actors])
+        comm_id = uuid.uuid4().int >> 64
+        try:
+            ray.get([actor.init_device.remote(node_ips, comm_id, copied) for actor in actors])
+        except ray.exceptions.RayTaskError as error:
+            time.sleep(self.engine.knobs.dead_exit_delay)  # Ray forwards the ranks' last lines
+            raise EngineFailed(str(error)) from error
+
+    def watch(self) -> None:
         import ray
 
         while not self.engine.dead.is_set():
@@ -682,9 +886,43 @@ def _ship_code_by_value() -> None:
     """Ray workers on other nodes may lack this repo: pickle our code instead of importing it."""
     from ray import cloudpickle
 
-    cloudpickle.register_pickle_by_value(gpu_state)
+    for module in (gpu_state, nccl, rdma, memory, unified_memory):
+        cloudpickle.register_pickle_by_value(module)
     if __name__ != "__main__":
         cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    # Ray's driver swaps builtins.print at the first worker log line it relays; code shipped by
+    # value that holds print (nccl's default writer) would then fail to pickle, now and then.
+    os.environ.setdefault("RAY_TQDM_PATCH_PRINT", "0")
+
+
+# vLLM (vllm/ray/ray_env.py) copies these from the driver to every Ray worker, except the
+# worker-specific ones and those listed in VLLM_CONFIG_ROOT/ray_non_carry_over_env_vars.json.
+COPIED_PREFIXES = ("VLLM_", "NCCL_", "UCX_", "HF_", "HUGGING_FACE_", "LMCACHE_")
+WORKER_SPECIFIC = frozenset(
+    {"VLLM_HOST_IP", "VLLM_HOST_PORT", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES"}
+)
+
+
+def env_copied_to_workers(log: Log) -> dict[str, str]:
+    """What the workers' NCCL gets from the driver's environment (the stand-in applies it to
+    NCCL only)."""
+    root = Path(os.environ.get("VLLM_CONFIG_ROOT", "~/.config/vllm")).expanduser()
+    try:
+        kept_off = set(json.loads((root / "ray_non_carry_over_env_vars.json").read_text()))
+        log.engine("INFO", "ray_env.py:44", f"RAY_NON_CARRY_OVER_ENV_VARS from config: {kept_off}")
+    except (OSError, ValueError, TypeError):
+        kept_off = set()
+    copied = {
+        name: value
+        for name, value in os.environ.items()
+        if name.startswith(COPIED_PREFIXES) and name not in WORKER_SPECIFIC | kept_off
+    }
+    log.engine(
+        "INFO",
+        "ray_env.py:62",
+        f"Copying the following environment variables to workers: {sorted(copied)}",
+    )
+    return copied
 
 
 # --------------------------------------------------------------------------- loading
@@ -699,21 +937,24 @@ def load_weights(engine: Engine) -> None:
         "INFO", "gpu_model_runner.py:2602", f"Starting to load model {engine.config.model}..."
     )
     started = time.monotonic()
-    remaining = max(knobs.load_seconds - (started - PROCESS_STARTED), 0.0)
+    warmup = unified_memory.WARMUP_S if knobs.unified_memory else 0.0
+    remaining = max(knobs.load_seconds - (started - PROCESS_STARTED) - warmup, 0.0)
     for done in range(total + 1):
         log.write(tqdm_line(done, total, time.monotonic() - started), sys.stderr)
         if done == total // 2:
             strike_load_fault(engine)
         if done < total:
             _sleep_unless_dead(engine, remaining / total)
+            engine.load_shard(total)
     took = time.monotonic() - started
     log.engine("INFO", "default_loader.py:267", f"Loading weights took {took:.2f} seconds")
-    weights_gib = 0.6 * engine.config.gpu_util * knobs.gpu_total_mib / 1024
+    weights_gib = WEIGHTS_SHARE * engine.config.gpu_util * knobs.gpu_total_mib / 1024
     log.engine(
         "INFO",
         "gpu_model_runner.py:2653",
         f"Model loading took {weights_gib:.4f} GiB and {took + 0.4:.6f} seconds",
     )
+    engine.init_kv_cache()
 
 
 def _sleep_unless_dead(engine: Engine, seconds: float) -> None:
@@ -777,6 +1018,11 @@ def log_oom(engine: Engine) -> None:
     )
 
 
+RAY_RPC_TRACE = (
+    "Traceback (most recent call last):\n"
+    '  File "/usr/local/lib/python3.12/dist-packages/vllm/v1/executor/ray_executor.py", line 503, '
+    "in collective_rpc\n    return ray.get(ray_worker_outputs, timeout=timeout)\n"
+)
 INIT_DEVICE_TRACE = (
     "Traceback (most recent call last):\n"
     '  File "/usr/local/lib/python3.12/dist-packages/vllm/v1/worker/gpu_worker.py", line 180, '
@@ -784,13 +1030,13 @@ INIT_DEVICE_TRACE = (
 )
 
 
-def engine_failed(log: Log, cause: str) -> None:
+def engine_failed(log: Log, cause: str, procs: str = "{}") -> None:
     log.engine("ERROR", "core.py:866", f"EngineCore failed to start.\n{cause}")
     log.api(
         "ERROR",
         "api_server.py:1920",
         "RuntimeError: Engine core initialization failed. See root cause above. "
-        "Failed core proc(s): {}",
+        f"Failed core proc(s): {procs}",
     )
 
 
@@ -940,6 +1186,7 @@ class Handler(BaseHTTPRequestHandler):
     def _answer(self, request: dict[str, Any], model: str) -> None:
         app = self.app
         time.sleep(float(app.knobs.faults.get("slow") or 0))
+        app.engine.execute_model()
         if app.engine.dead.is_set() or app.knobs.fault("http_500"):
             self._json(500, error_body(ENGINE_DEAD_MESSAGE, "InternalServerError", 500))
             return
@@ -1208,14 +1455,24 @@ def run(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = serve_config(args)
     log = Log()
+    refused = mp_launcher.refusal(config.launch, config.backend, args.api_server_count)
+    if refused is not None and not refused.in_api_server:
+        log.traceback(refused.text)
+        return 1
+    if config.launch.headless or config.launch.follower:
+        return run_headless(config, knobs, log)
     install_sigterm(log)
     log_startup(log, knobs, args)
     sock = bind_api_socket(config)
+    if refused is not None:
+        log.traceback(refused.text, "APIServer")
+        return 1
     engine = Engine(config, knobs, log)
     try:
         engine.start()
+        load_weights(engine)
     except EngineFailed as error:
-        engine_failed(log, str(error))
+        engine_failed(log, str(error), error.procs)
         return 1
     except FreeMemoryError as error:
         engine_failed(log, INIT_DEVICE_TRACE + f"ValueError: {error}")
@@ -1223,7 +1480,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     except Exception:
         engine_failed(log, traceback.format_exc().rstrip())
         return 1
-    load_weights(engine)
+    engine.watch()
     log_ready(log, config, knobs)
     sock.listen(128)
     record_event("listening")
@@ -1232,6 +1489,65 @@ def run(argv: Sequence[str] | None = None) -> int:
     server.serve_forever(poll_interval=0.2)
     log_shutdown(log)
     return 1 if engine.dead.is_set() else 0
+
+
+# --------------------------------------------------------------------------- headless
+
+
+def run_headless(config: ServeConfig, knobs: Knobs, log: Log) -> int:
+    """`vllm serve --headless`: no API server. A follower's workers join the leader's
+    rendezvous and work until it goes; node-rank 0 takes vLLM's data-parallel branch.
+    (A follower without --headless, which vLLM does not check, is taken for one with it.)"""
+    # vLLM turns SIGTERM into SystemExit here: a quiet exit 0.
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    launch = config.launch
+    if not launch.follower:
+        return run_dp_headless(log)
+    if launch.headless:
+        log.emit(None, "INFO", "serve.py:193", mp_launcher.headless_line(knobs.version, launch))
+    engine = Engine(config, knobs, log)
+    try:
+        engine.start_mp()
+    except mp_launcher.ExecutorFailed:
+        log.traceback(mp_launcher.HEADLESS_START_TRACE)
+        return 1
+    assert engine.mp is not None
+    follow(engine, engine.mp)
+    engine.mp.leader_gone()
+    return 1
+
+
+def follow(engine: Engine, mp: mp_launcher.MpNode) -> None:
+    """Load this node's part of the weights without a bar (only global rank 0 shows one),
+    then work until the leader goes."""
+    knobs = engine.knobs
+    started = time.monotonic()
+    remaining = max(knobs.load_seconds - (started - PROCESS_STARTED), 0.0)
+    for _ in range(knobs.shards):
+        if mp.lost.wait(remaining / knobs.shards):
+            return
+        engine.load_shard(knobs.shards)
+    weights_gib = WEIGHTS_SHARE * engine.config.gpu_util * knobs.gpu_total_mib / 1024
+    took = time.monotonic() - started
+    engine.log.emit(
+        mp.name(mp.launch.ranks[0]),
+        "INFO",
+        "gpu_model_runner.py:4820",
+        f"Model loading took {weights_gib:.2f} GiB memory and {took:.6f} seconds",
+    )
+    engine.init_kv_cache()
+    mp.lost.wait()
+
+
+def run_dp_headless(log: Log) -> int:
+    """`--headless` on node-rank 0: vLLM launches a data-parallel engine that waits for a
+    front-end, none comes, it fails after its handshake timeout, and the process exits 0."""
+    log.emit(None, "INFO", "serve.py:208", mp_launcher.dp_headless_line())
+    time.sleep(mp_launcher.handshake_timeout(os.environ))
+    failed = f"EngineCore failed to start.\n{mp_launcher.HANDSHAKE_TRACE}"
+    log.emit("EngineCore_DP0", "ERROR", "core.py:1108", failed)
+    log.emit(None, "INFO", "serve.py:235", "Shutting down.")
+    return 0
 
 
 def install_sigterm(log: Log) -> None:

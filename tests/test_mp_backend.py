@@ -1,0 +1,204 @@
+"""vLLM's own multi-node launcher, end to end (issue 15): the flow on beds whose image carries no
+Ray (the stand-in implements `--nnodes/--node-rank/--master-addr/--headless` with a real TCP
+rendezvous), `auto` choosing the backend from the image, the failures a follower can cause, and
+`ensure` and `status` reading the backend from what runs."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flows.redeploy import redeploy_vllm_cluster
+from tests.conftest import make_bed
+from tests.testbed import image
+from tests.testbed.bed import TestBed
+from vllm_redeploy.config import load_config
+from vllm_redeploy.nodes.docker import LABEL_MANAGED
+from vllm_redeploy.plan import LABEL_BACKEND
+from vllm_redeploy.status import collect_status
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+CLI = Path(sys.executable).parent / "vllm-redeploy"
+FAST = {"VRD_LOAD_SECONDS": "2"}
+
+
+@pytest.fixture(scope="module")
+def mp_bed(prefect_api: str) -> Iterator[TestBed]:
+    bed = make_bed(4, "h200", first_ip=61, vllm_image=image.NO_RAY_IMAGE)
+    yield bed
+    bed.down()
+
+
+@pytest.fixture(autouse=True)
+def no_group_left(mp_bed: TestBed) -> Iterator[None]:
+    yield
+    for node in mp_bed.nodes:
+        with contextlib.closing(node.engine.client()) as client:
+            for c in client.containers.list(all=True, filters={"label": LABEL_MANAGED}):
+                c.remove(force=True)
+
+
+def cluster(bed: TestBed, nodes: int, name: str, **sections: dict[str, Any]) -> Path:
+    """A cluster of the bed's first ``nodes`` nodes (TP across all of them)."""
+    from tests.testbed.bed import to_toml
+
+    data = bed.settings()
+    data["nodes"] = data["nodes"][:nodes]
+    data["vllm"]["tensor_parallel_size"] = nodes
+    data["vllm"]["env"] |= FAST
+    for section, values in sections.items():
+        for key, value in values.items():
+            if isinstance(value, dict) and isinstance(data.get(section, {}).get(key), dict):
+                data[section][key] |= value
+            else:
+                data.setdefault(section, {})[key] = value
+    path = bed.root / f"{name}.toml"
+    path.write_text(to_toml(data))
+    return path
+
+
+def ours(bed: TestBed) -> dict[str, dict[str, str]]:
+    """Per node: our running containers and their role."""
+    found = {}
+    for node in bed.nodes:
+        with contextlib.closing(node.engine.client()) as client:
+            found[node.name] = {
+                c.name: c.labels.get("io.vllm-redeploy.role", "?")
+                for c in client.containers.list(filters={"label": LABEL_MANAGED})
+            }
+    return found
+
+
+@pytest.mark.parametrize("nodes", [2, 4])
+def test_mp_serves_after_a_reboot_with_the_old_stack_back(mp_bed: TestBed, nodes: int) -> None:
+    for node in mp_bed.nodes[:nodes]:
+        mp_bed.reboot(node.name)  # the old model's stack auto-starts again
+    state = redeploy_vllm_cluster(str(cluster(mp_bed, nodes, f"mp{nodes}")), return_state=True)
+    assert state.is_completed(), state.result(raise_on_failure=False)
+    result = state.result()
+    steps = list(result["steps"])
+    assert steps[steps.index("ports-free") + 1 :] == [
+        "launch-followers",
+        "launch-leader",
+        "wait-ready",
+        "transport",
+        "probe",
+    ]
+    assert result["probe"]["healthy"] and result["probe"]["finish_reason"] == "length"
+    assert (
+        "- backend mp (the image carries no Ray; vLLM's own multi-node launcher)"
+        in (result["summary"])
+    )
+    running = ours(mp_bed)
+    assert running["node-1"] == {"vllm-redeploy-bed-engine": "leader"}
+    for node in mp_bed.nodes[1:nodes]:
+        assert running[node.name] == {"vllm-redeploy-bed-follower": "follower"}
+    for node in mp_bed.nodes[nodes:]:
+        assert running[node.name] == {}
+    # The old stack is gone, and each follower ran with its own rank, headless.
+    with contextlib.closing(mp_bed.nodes[nodes - 1].engine.client()) as client:
+        follower = client.containers.get("vllm-redeploy-bed-follower")
+        args = follower.attrs["Config"]["Cmd"]
+        assert args[args.index("--node-rank") + 1] == str(nodes - 1) and "--headless" in args
+        assert follower.labels[LABEL_BACKEND] == "mp"
+
+
+def test_auto_picks_ray_when_the_image_carries_it(mp_bed: TestBed) -> None:
+    path = cluster(mp_bed, 2, "auto-ray", vllm={"image": image.BED_IMAGE})
+    state = redeploy_vllm_cluster(str(path), return_state=True)
+    assert state.is_completed(), state.result(raise_on_failure=False)
+    result = state.result()
+    assert "ray-head" in result["steps"] and "launch-leader" not in result["steps"]
+    assert "- backend ray (the image carries Ray at " in result["summary"]
+
+
+def test_ray_on_an_image_without_ray_fails_preflight_with_the_fix(mp_bed: TestBed) -> None:
+    state = redeploy_vllm_cluster(
+        str(cluster(mp_bed, 2, "ray-noray", vllm={"backend": "ray"})), return_state=True
+    )
+    message = str(state.result(raise_on_failure=False))
+    assert state.is_failed() and message.startswith("preflight: node-1: `ray` does not run")
+    assert 'set backend = "mp"' in message
+    assert ours(mp_bed)["node-1"] == {}
+
+
+def test_a_follower_killed_during_the_load_fails_the_wait_at_once(mp_bed: TestBed) -> None:
+    path = cluster(mp_bed, 2, "killed", vllm={"env": {"VRD_LOAD_SECONDS": "60"}})
+    worker = mp_bed.nodes[1]
+    killed: list[float] = []
+
+    def kill_when_loading() -> None:
+        deadline = time.monotonic() + 120
+        with contextlib.closing(worker.engine.client()) as client:
+            while time.monotonic() < deadline:
+                with contextlib.suppress(Exception):
+                    follower = client.containers.get("vllm-redeploy-bed-follower")
+                    if "Model loading took" in follower.logs().decode():
+                        follower.kill()
+                        killed.append(time.monotonic())
+                        return
+                time.sleep(0.2)
+
+    thread = threading.Thread(target=kill_when_loading, daemon=True)
+    thread.start()
+    state = redeploy_vllm_cluster(str(path), return_state=True)
+    noticed = time.monotonic()
+    thread.join(10)
+    message = str(state.result(raise_on_failure=False))
+    assert state.is_failed() and killed, message
+    assert message.startswith("wait-ready: the vLLM follower on node-2 exited with code 137")
+    assert noticed - killed[0] < 45  # long before the 60 s load would have ended
+    assert all(found == {} for found in ours(mp_bed).values())  # the whole group was removed
+
+
+def test_a_follower_that_cannot_reach_the_leader_is_named(mp_bed: TestBed) -> None:
+    worker = mp_bed.nodes[1]
+    path = cluster(
+        mp_bed,
+        2,
+        "firewalled",
+        vllm={"env": {"VRD_FAULT": f"firewall:{worker.ip}"}},
+        deadlines={"rendezvous_s": 6},
+    )
+    state = redeploy_vllm_cluster(str(path), return_state=True)
+    message = str(state.result(raise_on_failure=False))
+    assert state.is_failed()
+    assert message.startswith(
+        f"wait-ready: node-2 never joined the rendezvous at {mp_bed.nodes[0].ip}:"
+    ), message
+    assert f"no connection came from {worker.ip}" in message
+    assert "Last log lines on node-2:" in message and "headless multiproc executor" in message
+    assert "Last log lines of the leader on node-1:" in message
+    assert "distributed_init_method=tcp://" in message
+
+
+def test_ensure_and_status_read_the_backend_from_what_runs(mp_bed: TestBed) -> None:
+    path = cluster(mp_bed, 2, "ensure")
+    assert redeploy_vllm_cluster(str(path), return_state=True).is_completed()
+    config = load_config(path, env_file=None)
+    status = collect_status(config)
+    assert status.healthy, status.problems
+    assert status.backend == "mp" and status.transport is not None
+    state = redeploy_vllm_cluster(str(path), "ensure", return_state=True)
+    assert state.result()["action"] == "already healthy: nothing changed"
+    with contextlib.closing(mp_bed.nodes[1].engine.client()) as client:
+        client.containers.get("vllm-redeploy-bed-follower").kill()
+    problems = collect_status(config).problems
+    assert "the vLLM follower on node-2 is not running" in problems, problems
+    state = redeploy_vllm_cluster(str(path), "ensure", return_state=True)
+    assert state.is_completed(), state.result(raise_on_failure=False)
+    assert state.result()["action"] == "redeployed"
+    shown = subprocess.run(
+        [str(CLI), "status", "-c", str(path), "--json"], capture_output=True, text=True, timeout=90
+    )
+    report = json.loads(shown.stdout)
+    assert shown.returncode == 0 and report["backend"] == "mp", report["problems"]
