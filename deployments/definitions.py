@@ -1,6 +1,6 @@
-"""The three deployments of the flow, in code: `vllm-redeploy serve` runs them from one process.
+"""The four deployments of the flow, in code: `vllm-redeploy serve` runs them from one process.
 
-prefect.yaml declares the same three for `prefect deploy --all` with a work pool; a test keeps
+prefect.yaml declares the same four for `prefect deploy --all` with a work pool; a test keeps
 the two in step.
 """
 
@@ -16,6 +16,7 @@ from prefect.events.schemas.events import ResourceSpecification
 from prefect.schedules import Cron
 
 from vllm_redeploy.config import ClusterConfig
+from vllm_redeploy.events import EVENT_UNHEALTHY, LABEL_CLUSTER
 
 REBOOT_EVENT = "vllm.node.rebooted"
 NIGHTLY_CRON = "0 4 * * *"
@@ -38,12 +39,26 @@ def reboot_trigger(config: ClusterConfig) -> DeploymentEventTrigger:
         threshold=1,
         within=timedelta(seconds=config.webhook.reboot_debounce_s),
         schedule_after=timedelta(seconds=config.webhook.reboot_delay_s),
-        parameters={"mode": "ensure"},
+        parameters={"mode": "ensure", "trigger": "after-reboot"},
+    )
+
+
+def unhealthy_trigger(config: ClusterConfig) -> DeploymentEventTrigger:
+    """Fire on the watcher's word that the cluster is unhealthy (`vllm-redeploy watch`); the
+    run's guard paces recoveries and stops them when the cluster crash-loops."""
+    return DeploymentEventTrigger(
+        name=f"{config.name}: unhealthy",
+        expect={EVENT_UNHEALTHY},
+        match=ResourceSpecification({LABEL_CLUSTER: config.name}),
+        posture="Reactive",
+        threshold=1,
+        within=timedelta(seconds=0),
+        parameters={"mode": "ensure", "trigger": "recover"},
     )
 
 
 def deployment_specs(config: ClusterConfig, config_path: Path) -> list[dict[str, Any]]:
-    """Keyword arguments of ``flow.to_deployment`` for nightly, after-reboot and manual."""
+    """Keyword arguments of ``flow.to_deployment`` for nightly, after-reboot, recover, manual."""
     params = {"config_path": str(config_path.resolve())}
     tags = ["vllm-redeploy", f"cluster:{config.name}"]
     return [
@@ -51,7 +66,7 @@ def deployment_specs(config: ClusterConfig, config_path: Path) -> list[dict[str,
             "name": f"{config.name}-nightly",
             "description": "Every night: a full redeploy, so the cluster starts the day fresh.",
             "schedules": [Cron(NIGHTLY_CRON, timezone=NIGHTLY_TIMEZONE, slug="nightly")],
-            "parameters": {**params, "mode": "redeploy"},
+            "parameters": {**params, "mode": "redeploy", "trigger": "nightly"},
             "tags": [*tags, "nightly"],
             "concurrency_limit": ONE_AT_A_TIME,
         },
@@ -59,14 +74,24 @@ def deployment_specs(config: ClusterConfig, config_path: Path) -> list[dict[str,
             "name": f"{config.name}-after-reboot",
             "description": "After a node reboots: bring the model back if it is not healthy.",
             "triggers": [reboot_trigger(config)],
-            "parameters": {**params, "mode": "ensure"},
+            "parameters": {**params, "mode": "ensure", "trigger": "after-reboot"},
             "tags": [*tags, "after-reboot"],
             "concurrency_limit": ONE_AT_A_TIME,
         },
         {
+            "name": f"{config.name}-recover",
+            "description": "When the watcher finds the cluster unhealthy: bring it back, paced, "
+            "and stop when it crash-loops.",
+            "triggers": [unhealthy_trigger(config)],
+            "parameters": {**params, "mode": "ensure", "trigger": "recover"},
+            "tags": [*tags, "recover"],
+            "concurrency_limit": ONE_AT_A_TIME,
+        },
+        {
             "name": f"{config.name}-manual",
-            "description": "From the UI: pick the mode (ensure or redeploy) and run.",
-            "parameters": {**params, "mode": "ensure"},
+            "description": "From the UI: pick the mode (ensure or redeploy) and run; "
+            "override_pause runs even while the cluster is paused.",
+            "parameters": {**params, "mode": "ensure", "trigger": "manual"},
             "tags": [*tags, "manual"],
             "concurrency_limit": ONE_AT_A_TIME,
         },
@@ -78,9 +103,10 @@ def deployment_specs(config: ClusterConfig, config_path: Path) -> list[dict[str,
 RUNNER_POLL_S = 2.0
 
 
-def serve_deployments(config: ClusterConfig, config_path: Path) -> None:
-    """Serve the three deployments from this process (no work pool). Schedules stay active
-    when it stops: a controller restart must not silently pause the nightly run."""
+def serve_deployments(clusters: list[tuple[ClusterConfig, Path]]) -> None:
+    """Serve each cluster's deployments from this process (no work pool); each run loads its
+    cluster's configuration from its own file. Schedules stay active when it stops: a
+    controller restart must not silently pause the nightly run."""
     from prefect import serve
 
     from deployments.zombies import enable_heartbeats, ensure_zombie_automation
@@ -89,10 +115,12 @@ def serve_deployments(config: ClusterConfig, config_path: Path) -> None:
 
     enable_heartbeats()
     ensure_zombie_automation()
-    ensure_cluster_lock(config.name)  # every run of the cluster takes it, from any deployment
+    for config, _ in clusters:
+        ensure_cluster_lock(config.name)  # every run of the cluster takes it, from any deployment
 
     deployments = [
         redeploy_vllm_cluster.to_deployment(**spec)
+        for config, config_path in clusters
         for spec in deployment_specs(config, config_path)
     ]
     serve(*deployments, pause_on_shutdown=False, query_seconds=RUNNER_POLL_S)

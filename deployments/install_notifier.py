@@ -15,6 +15,7 @@ from pathlib import Path
 
 from vllm_redeploy import PROJECT
 from vllm_redeploy.config import ClusterConfig
+from vllm_redeploy.names import webhook_path
 from vllm_redeploy.nodes import NodeAccess, NodeDocker, RemoteError, Runner
 from vllm_redeploy.nodes.docker import LABEL_MANAGED
 
@@ -83,7 +84,8 @@ def notifier_files(
     secret_path = _under(prefix, SECRET_PATH)
     env_lines = [
         "# vllm-redeploy reboot notifier; written by `vllm-redeploy install-notifier`.",
-        f"URL={config.webhook.url}",
+        # The cluster's own path: a webhook that serves several clusters routes by it.
+        f"URL={config.webhook.url.rstrip('/')}{webhook_path(config.name)}",
         f"NODE={node_name}",
         f"SECRET_FILE={secret_path}",
     ]

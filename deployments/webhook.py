@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Annotated, Any, Protocol
 
 import uvicorn
@@ -28,6 +28,7 @@ from starlette.requests import ClientDisconnect
 
 from deployments.events import EventSender, reboot_event
 from vllm_redeploy.config import ClusterConfig
+from vllm_redeploy.names import webhook_path
 from vllm_redeploy.safe_text import one_line, shown
 
 SIGNATURE_HEADER = "X-Vllm-Redeploy-Signature"
@@ -111,24 +112,40 @@ def _problem(status: int, message: str, headers: dict[str, str] | None = None) -
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
-def create_app(config: ClusterConfig, sender: Sender) -> FastAPI:
-    """The webhook app for ``config``'s cluster; events go to ``sender``."""
-    key = webhook_secret(config).encode()
-    nodes = {n.name for n in config.nodes}
-    window_s = config.webhook.replay_window_s
-    limit = config.webhook.max_body_bytes
+def create_app(clusters: ClusterConfig | Sequence[ClusterConfig], sender: Sender) -> FastAPI:
+    """The webhook app; events go to ``sender``. Each cluster's nodes post to
+    ``/clusters/NAME/reboot``, signed with that cluster's secret; with one cluster ``/reboot``
+    works too (notifiers installed before several clusters shared a webhook)."""
+    configs = [clusters] if isinstance(clusters, ClusterConfig) else list(clusters)
+    for config in configs:
+        webhook_secret(config)
+    names = ", ".join(repr(c.name) for c in configs)
     app = FastAPI(
         title="vllm-redeploy reboot webhook",
         version="1",
-        description=f"Nodes of cluster {config.name!r} report their boots here.",
+        description=f"Nodes of cluster {names} report their boots here.",
     )
 
     @app.get("/healthz", response_model=Health)
     def healthz() -> Health:
         return Health(pending_events=sender.pending)
 
+    for config in configs:
+        _add_reboot_route(app, config, sender, f"{webhook_path(config.name)}/reboot")
+    if len(configs) == 1:
+        _add_reboot_route(app, configs[0], sender, "/reboot")
+    return app
+
+
+def _add_reboot_route(app: FastAPI, config: ClusterConfig, sender: Sender, path: str) -> None:
+    key = webhook_secret(config).encode()
+    nodes = {n.name for n in config.nodes}
+    window_s = config.webhook.replay_window_s
+    limit = config.webhook.max_body_bytes
+
     @app.post(
-        "/reboot",
+        path,
+        operation_id=f"reboot{path.replace('/', '_')}",
         status_code=202,
         response_model=Accepted,
         responses={
@@ -210,20 +227,24 @@ def create_app(config: ClusterConfig, sender: Sender) -> FastAPI:
         )
         return JSONResponse({"accepted": True, "event_id": event["id"]}, status_code=202)
 
-    return app
-
 
 def serve_webhook(
-    config: ClusterConfig,
+    clusters: ClusterConfig | Sequence[ClusterConfig],
     host: str | None = None,
     port: int | None = None,
     sender: EventSender | None = None,
 ) -> None:
-    """Run the webhook in the foreground (until Ctrl-C), delivering events to PREFECT_API_URL.
+    """Run the webhook of one or several clusters in the foreground (until Ctrl-C), delivering
+    events to PREFECT_API_URL; it binds ``host``/``port``, else the clusters' webhook.host/port.
 
-    Raises ValueError (before binding anything) without a usable secret or PREFECT_API_URL.
+    Raises ValueError (before binding anything) without a usable secret or PREFECT_API_URL, or
+    when the clusters name different binds and no ``host``/``port`` settles it.
     """
-    webhook_secret(config)
+    configs = [clusters] if isinstance(clusters, ClusterConfig) else list(clusters)
+    for config in configs:
+        webhook_secret(config)
+    host = host or _one_bind(configs, "host", lambda c: c.webhook.host)
+    port = port or int(_one_bind(configs, "port", lambda c: str(c.webhook.port)))
     sender = sender or EventSender()
     # After its graceful shutdown uvicorn raises the signal again with the previous handler in
     # place; for SIGTERM (systemctl stop) the default one ends the process at once, before the
@@ -235,11 +256,11 @@ def serve_webhook(
         else None
     )
     try:
-        app = create_app(config, sender)
+        app = create_app(configs, sender)
         uvicorn.run(
             app,
-            host=host or config.webhook.host,
-            port=port or config.webhook.port,
+            host=host,
+            port=port,
             log_level="info",
             access_log=True,  # method, path and status only: headers are never logged
             server_header=False,
@@ -249,6 +270,20 @@ def serve_webhook(
         sender.close(timeout=10)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _one_bind(
+    configs: list[ClusterConfig], what: str, value: Callable[[ClusterConfig], str]
+) -> str:
+    """The one webhook.host (or port) every cluster names, or ValueError saying how to choose."""
+    values = {value(c) for c in configs}
+    if len(values) > 1:
+        named = ", ".join(f"{c.name}: {value(c)}" for c in configs)
+        raise ValueError(
+            f"the clusters name different webhook.{what}s ({named}); one webhook binds one: pass "
+            f"--{what}, or set the same webhook.{what} in every cluster's configuration"
+        )
+    return values.pop()
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:

@@ -1,7 +1,8 @@
 """Bring the vLLM cluster back: the operator's runbook as one flow.
 
-Whole run: hold the cluster, so no other run of it (nightly, after-reboot, manual) touches
-its nodes meanwhile.
+First: change nothing when the cluster is paused or crash-looping (see tasks/guard.py); a
+recovery waits its backoff. Then, for the whole run, hold the cluster, so no other run of it
+(nightly, after-reboot, recover, manual) touches its nodes meanwhile.
 0. Preflight: every node reachable (late ones waited for), Docker, image, model, fabric IP and
    fabric (interfaces, RDMA HCAs); pick the launch backend from what the image holds.
 1. Stop what auto-starts at boot (units, containers) and our own earlier containers.
@@ -28,12 +29,15 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.events import emit_event
 from prefect.futures import wait
+from prefect.states import Completed, State
 
+from deployments.cluster_state import clear_crashloop
 from tasks.cluster_check import check_ray_cluster
 from tasks.cluster_lock import cluster_lock
 from tasks.context import Run, StepFailed, log
 from tasks.diagnostics import collect_diagnostics
 from tasks.gpus_clear import wait_gpus_clear
+from tasks.guard import SKIPPED, UNCHANGED, Trigger, guard_run
 from tasks.inspect_deployment import inspect_deployment
 from tasks.launch_followers import launch_follower
 from tasks.launch_leader import launch_leader
@@ -108,9 +112,13 @@ def redeploy_vllm_cluster(
     config_path: str = "cluster.toml",
     mode: Mode = "redeploy",
     keep_on_failure: bool = False,
-) -> dict[str, Any]:
+    trigger: Trigger = "manual",
+    override_pause: bool = False,
+) -> dict[str, Any] | State:
     """Bring the vLLM cluster described by ``config_path`` back (``ensure``: only if needed).
 
+    ``trigger``: what started the run (manual, nightly, after-reboot, recover); nothing automatic
+    touches a paused or crash-looping cluster, and a manual run only with ``override_pause``.
     Secrets come from the environment or .env of the process that runs the flow, never from
     parameters.
     """
@@ -132,13 +140,22 @@ def redeploy_vllm_cluster(
     step = Steps(summary)
     handled: Exception | None = None
     try:
+        guard = step("guard", guard_run, run, trigger, override_pause)
+        if guard.skip is not None:
+            summary.action = f"skipped: {guard.skip}"
+            return Completed(name=SKIPPED, message=guard.skip, data=_finish(summary, event=False))
         with step.holding("cluster-lock", cluster_lock(config)):
             try:
-                return _runbook(run, mode, step)
+                result = _runbook(run, mode, step)
             except Exception as exc:
                 handled = exc  # reported while the cluster is still held: nobody else starts
                 _fail(run, summary, *_explain(exc, step.current), keep_on_failure, step)
                 raise
+        if trigger == "manual" and clear_crashloop(config.name):
+            log().info("a manual run succeeded: the crash-loop mark is cleared")
+        if summary.action.startswith("already healthy"):
+            return Completed(name=UNCHANGED, message=summary.action, data=result)
+        return result
     except Exception as exc:  # every failure ends the same way: diagnostics, event, teardown
         if exc is not handled:  # taking the cluster failed: nothing was started
             _fail(run, summary, *_explain(exc, step.current), keep_on_failure, step)
@@ -201,17 +218,18 @@ def _explain(exc: Exception, current: str) -> tuple[str, str]:
     )
 
 
-def _finish(summary: RunSummary) -> dict[str, Any]:
+def _finish(summary: RunSummary, event: bool = True) -> dict[str, Any]:
     markdown = render_markdown(summary)
     create_markdown_artifact(
         markdown,
         key=artifact_key(summary.cluster, "summary"),
         description="what the redeploy did",
     )
-    transport = summary.transport.as_dict() if summary.transport else None
-    emit_event(
-        **ready_event(summary.cluster, summary.mode, summary.action, summary.steps, transport)
-    )
+    if event:
+        transport = summary.transport.as_dict() if summary.transport else None
+        emit_event(
+            **ready_event(summary.cluster, summary.mode, summary.action, summary.steps, transport)
+        )
     return {
         "cluster": summary.cluster,
         "mode": summary.mode,

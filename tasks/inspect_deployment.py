@@ -32,6 +32,7 @@ def inspect_deployment(run: Run) -> Health:
         reason = "; ".join(status.problems)
         log().info("deployment needs a redeploy: %s", reason)
         return Health(False, reason)
-    detail = status.endpoint.probe.detail
+    probe = status.endpoint.probe
+    detail = probe.detail if probe is not None else "healthy"
     log().info("deployment healthy: %s", detail)
     return Health(True, detail)

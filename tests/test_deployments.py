@@ -40,7 +40,7 @@ def deployments_by_name(url: str) -> dict[str, dict[str, Any]]:
     return {d["name"]: d for d in api(url, "POST", "/deployments/filter", {})}
 
 
-def test_prefect_yaml_registers_three_deployments(prefect_api: str, tmp_path: Path) -> None:
+def test_prefect_yaml_registers_four_deployments(prefect_api: str, tmp_path: Path) -> None:
     cluster = f"yaml{uuid.uuid4().hex[:6]}"
     env = {
         **os.environ,
@@ -73,7 +73,7 @@ def test_prefect_yaml_registers_three_deployments(prefect_api: str, tmp_path: Pa
     )
     assert done.returncode == 0, done.stdout + done.stderr
     found = deployments_by_name(prefect_api)
-    names = {f"{cluster}-{kind}" for kind in ("nightly", "after-reboot", "manual")}
+    names = {f"{cluster}-{kind}" for kind in ("nightly", "after-reboot", "recover", "manual")}
     assert names <= set(found)
     for name in names:
         d = found[name]
@@ -87,14 +87,22 @@ def test_prefect_yaml_registers_three_deployments(prefect_api: str, tmp_path: Pa
     assert nightly["slug"] == "nightly" and nightly["active"]
     assert found[f"{cluster}-nightly"]["parameters"]["mode"] == "redeploy"
     assert not found[f"{cluster}-manual"]["schedules"]
+    assert {found[n]["parameters"]["trigger"] for n in names} == {
+        "nightly",
+        "after-reboot",
+        "recover",
+        "manual",
+    }
     automations = api(prefect_api, "POST", "/automations/filter", {})
-    (trigger,) = [
-        a["trigger"]
+    triggers = {
+        a["trigger"]["expect"][0]: a["trigger"]
         for a in automations
         if a["trigger"].get("match", {}).get("vllm-redeploy.cluster") == cluster
-    ]
-    assert trigger["expect"] == ["vllm.node.rebooted"] and trigger["posture"] == "Reactive"
-    assert (trigger["threshold"], trigger["within"]) == (1, 600.0)
+    }
+    assert set(triggers) == {"vllm.node.rebooted", "vllm.cluster.unhealthy"}
+    reboot = triggers["vllm.node.rebooted"]
+    assert reboot["posture"] == "Reactive" and (reboot["threshold"], reboot["within"]) == (1, 600.0)
+    assert triggers["vllm.cluster.unhealthy"]["threshold"] == 1
 
 
 def test_serve_and_prefect_yaml_declare_the_same_deployments() -> None:
@@ -107,9 +115,10 @@ def test_serve_and_prefect_yaml_declare_the_same_deployments() -> None:
         d["name"].split("}}-")[-1]: d
         for d in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
     }
-    assert set(specs) == set(declared) == {"nightly", "after-reboot", "manual"}
+    assert set(specs) == set(declared) == {"nightly", "after-reboot", "recover", "manual"}
     for kind, spec in specs.items():
         assert spec["parameters"]["mode"] == declared[kind]["parameters"]["mode"]
+        assert spec["parameters"]["trigger"] == declared[kind]["parameters"]["trigger"] == kind
         assert declared[kind]["concurrency_limit"] == {"limit": 1, "collision_strategy": "ENQUEUE"}
     (schedule,) = specs["nightly"]["schedules"]
     (yaml_schedule,) = declared["nightly"]["schedules"]

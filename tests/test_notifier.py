@@ -160,7 +160,7 @@ def test_install_is_idempotent_and_keeps_the_secret_off_argv(setup: Setup) -> No
     assert modes == {SCRIPT_PATH: 0o755, ENV_PATH: 0o644, SECRET_PATH: 0o600}
     assert setup.path(SECRET_PATH).read_text() == setup.secret + "\n"
     env_file = setup.path(ENV_PATH).read_text()
-    assert f"URL={setup.config.webhook.url}\n" in env_file
+    assert f"URL={setup.config.webhook.url}/clusters/{setup.config.name}\n" in env_file
     assert f"NODE={NODE}\n" in env_file
     assert f"SECRET_FILE={setup.path(SECRET_PATH)}\n" in env_file
     assert setup.secret not in env_file

@@ -254,6 +254,8 @@ def test_no_secret_in_flow_and_task_runs(runs: Runs) -> None:
                 "config_path": str(runs.config_path),
                 "mode": "redeploy",
                 "keep_on_failure": False,
+                "trigger": "manual",
+                "override_pause": False,
             }
             assert leaks(flow_run.model_dump_json()) == []
             task_runs = client.read_task_runs(

@@ -117,6 +117,7 @@ def test_the_run_command_piped_prints_a_line_per_step_then_the_summary(
     lines = result.stdout.splitlines()
     steps = [line.split(":")[0] for line in lines[: lines.index("# bed: redeployed")]]
     assert steps == [
+        "guard",
         "cluster-lock",
         "preflight",
         "stop-autostart",
@@ -131,8 +132,8 @@ def test_the_run_command_piped_prints_a_line_per_step_then_the_summary(
         "transport",
         "probe",
     ]
-    assert all(re.fullmatch(r"[a-z-]+: done in \d+\.\d s", line) for line in lines[:13])
-    summary = "\n".join(lines[13:])
+    assert all(re.fullmatch(r"[a-z-]+: done in \d+\.\d s", line) for line in lines[:14])
+    summary = "\n".join(lines[14:])
     assert "| step | seconds |" in summary and "| wait-ready |" in summary
     # what was stopped on each node: this time our own containers of the last run
     assert "ours from the last run: vllm-redeploy-bed-engine, vllm-redeploy-bed-ray" in summary

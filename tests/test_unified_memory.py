@@ -27,7 +27,7 @@ GIB = 1024 * 1024  # kiB
 
 @pytest.fixture(scope="module")
 def gb10_bed(prefect_api: str) -> Iterator[TestBed]:
-    bed = make_bed(2, "gb10", first_ip=191)
+    bed = make_bed(2, "gb10", first_ip=195)
     yield bed
     bed.down()
 

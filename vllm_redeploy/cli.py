@@ -6,9 +6,12 @@ import contextlib
 import json
 import logging
 import os
+import re
+import signal
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -24,14 +27,21 @@ from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
 
-from vllm_redeploy.config import ClusterConfig, ConfigError, NodeConfig, describe, load_config
+from vllm_redeploy.config import (
+    ClusterConfig,
+    ConfigError,
+    NodeConfig,
+    describe,
+    load_clusters,
+    load_config,
+)
 from vllm_redeploy.endpoint import api_base
 from vllm_redeploy.gpus import GpuReport, inspect_gpus
 from vllm_redeploy.nodes import NodeAccess, RemoteError, check_node, fan_out
 from vllm_redeploy.parsers.vllm_log import LoadProgress
 from vllm_redeploy.plan import RayMember
 from vllm_redeploy.probe import run_probe
-from vllm_redeploy.safe_text import for_terminal, shown
+from vllm_redeploy.safe_text import for_terminal, one_line, shown
 from vllm_redeploy.status import ClusterStatus, GpuStatus, NodeStatus, collect_status, duration
 from vllm_redeploy.summary import StepEvent, listening
 
@@ -52,6 +62,16 @@ ConfigOption = Annotated[
     Path,
     typer.Option("--config", "-c", help="Cluster configuration (TOML).", show_default=True),
 ]
+ConfigsOption = Annotated[
+    list[Path],
+    typer.Option(
+        "--config",
+        "-c",
+        help="A cluster's configuration (TOML); repeat for several (each with its own env file).",
+        show_default=True,
+    ),
+]
+CONFIGS_DEFAULT = [Path("cluster.toml")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 
@@ -61,8 +81,12 @@ def _t(value: object) -> str:
 
 
 def _load(path: Path) -> ClusterConfig:
+    return _load_many([path])[0]
+
+
+def _load_many(paths: list[Path]) -> list[ClusterConfig]:
     try:
-        return load_config(path)
+        return load_clusters(paths) if len(paths) > 1 else [load_config(paths[0])]
     except ConfigError as exc:
         err.print(f"[bold red]Configuration problem in {_t(shown(exc.source))}[/]", highlight=False)
         for problem in exc.problems:
@@ -180,22 +204,44 @@ def fabric(
 
 
 @app.command()
-def status(config: ConfigOption = Path("cluster.toml"), as_json: JsonOption = False) -> None:
-    """The deployment now: nodes, containers, GPUs, Ray, endpoint, probe. Exit 0 iff healthy."""
-    cluster = _load(config)
-    report = collect_status(cluster)
+def status(config: ConfigsOption = CONFIGS_DEFAULT, as_json: JsonOption = False) -> None:
+    """The deployment now: nodes, containers, GPUs, Ray, endpoint, probe; one screen per
+    cluster (repeat --config). Exit 0 iff every cluster is healthy."""
+    clusters = _load_many(config)
+    with ThreadPoolExecutor(max_workers=2 * len(clusters)) as pool:
+        standings = [pool.submit(_standing, c.name) for c in clusters]
+        reports = list(pool.map(collect_status, clusters))
+        held = [s.result() for s in standings]
     if as_json:
-        out.print_json(json.dumps(report.as_dict()))
+        found = [{**r.as_dict(), "standing": h} for r, h in zip(reports, held, strict=True)]
+        out.print_json(json.dumps(found[0] if len(found) == 1 else found))
     else:
-        _print_status(report)
-    if not report.healthy:
+        for i, (report, standing) in enumerate(zip(reports, held, strict=True)):
+            if i:
+                out.rule(style="dim")
+            _print_status(report, standing)
+    if not all(r.healthy for r in reports):
         raise typer.Exit(EXIT_UNREACHABLE)
 
 
-def _print_status(report: ClusterStatus) -> None:
+def _standing(cluster: str) -> str | None:
+    """Paused or crash-looping (kept in Prefect), when a Prefect API is configured to ask."""
+    if not os.environ.get("PREFECT_API_URL"):
+        return None
+    from deployments.cluster_state import read_standing
+
+    try:
+        return read_standing(cluster).headline()
+    except Exception as exc:  # status must work while Prefect is down
+        return f"unknown (Prefect did not answer: {one_line(exc)[:200]})"
+
+
+def _print_status(report: ClusterStatus, standing: str | None = None) -> None:
     """Colours and tables in a terminal; the same text without escape codes when piped."""
     verdict = "[bold green]healthy[/]" if report.healthy else "[bold red]not healthy[/]"
     out.print(f"[bold]cluster {_t(report.cluster)}[/]: {verdict}", highlight=False)
+    if standing:
+        out.print(f"[bold yellow]{_t(standing)}[/]", highlight=False)
     members = {m.ip: m for m in report.ray.members}
     table = Table(show_edge=False, show_lines=True)
     for column in ("node", "reachable", "our containers", "GPU", "Ray"):
@@ -572,27 +618,85 @@ def check_gpus(config: ConfigOption = Path("cluster.toml"), as_json: JsonOption 
 
 
 @app.command()
-def serve(config: ConfigOption = Path("cluster.toml")) -> None:
-    """Serve the nightly, after-reboot and manual deployments from this process (no work pool)."""
-    cluster = _load(config)  # fail early, in plain words, on a bad configuration
+def serve(config: ConfigsOption = CONFIGS_DEFAULT) -> None:
+    """Serve the nightly, after-reboot, recover and manual deployments of each cluster (repeat
+    --config for several) from this process (no work pool)."""
+    clusters = _load_many(config)  # fail early, in plain words, on a bad configuration
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from deployments.definitions import serve_deployments
 
-    serve_deployments(cluster, config)
+    serve_deployments(list(zip(clusters, config, strict=True)))
+
+
+@app.command()
+def watch(config: ConfigsOption = CONFIGS_DEFAULT) -> None:
+    """Watch clusters between runs; tell Prefect (vllm.cluster.unhealthy) when one goes down."""
+    clusters = _load_many(config)
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per look is noise
+    from deployments.watcher import watch_clusters
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        watch_clusters(clusters, stop)
+    except KeyboardInterrupt:
+        stop.set()
+
+
+@app.command()
+def pause(
+    reason: Annotated[str, typer.Option("--reason", help="Why, for whoever looks (required).")],
+    for_: Annotated[
+        str | None,
+        typer.Option("--for", help="For how long, e.g. 2h, 30m, 90s (default: until resume)."),
+    ] = None,
+    config: ConfigOption = Path("cluster.toml"),
+) -> None:
+    """Maintenance: nothing automatic touches the cluster (watcher, recover, reboot, nightly)."""
+    cluster = _load(config)
+    seconds = _duration_s(for_) if for_ else None
+    from deployments.cluster_state import pause as pause_cluster
+
+    paused = pause_cluster(cluster.name, reason, seconds)
+    out.print(f"{cluster.name}: {for_terminal(paused.describe())}", markup=False, highlight=False)
+
+
+@app.command()
+def resume(config: ConfigOption = Path("cluster.toml")) -> None:
+    """End a pause and a crash-loop mark: automatic runs may touch the cluster again."""
+    cluster = _load(config)
+    from deployments.cluster_state import resume as resume_cluster
+
+    cleared = resume_cluster(cluster.name)
+    what = " and ".join(cleared) or "nothing (it was neither paused nor crash-looping)"
+    out.print(f"{cluster.name}: cleared {what}", markup=False, highlight=False)
+
+
+def _duration_s(text: str) -> float:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
+    if match is None:
+        err.print(
+            f"--for {shown(text)}: give a number with s, m, h or d, e.g. 2h or 30m", markup=False
+        )
+        raise typer.Exit(EXIT_CONFIG)
+    return float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match[2]]
 
 
 @app.command()
 def webhook(
-    config: ConfigOption = Path("cluster.toml"),
+    config: ConfigsOption = CONFIGS_DEFAULT,
     host: Annotated[str | None, typer.Option(help="Bind address (default webhook.host)")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default webhook.port)")] = None,
 ) -> None:
-    """Run the reboot webhook: signed calls from the nodes become Prefect events."""
-    cluster = _load(config)
+    """Run the reboot webhook: signed calls from the nodes become Prefect events. With several
+    --config, one webhook serves each cluster at /clusters/NAME/reboot with its own secret."""
+    clusters = _load_many(config)
     from deployments.webhook import serve_webhook
 
     try:
-        serve_webhook(cluster, host, port)
+        serve_webhook(clusters, host, port)
     except ValueError as exc:
         err.print(for_terminal(exc), markup=False, highlight=False)
         raise typer.Exit(EXIT_CONFIG) from None

@@ -1,9 +1,16 @@
-"""The cluster configuration: a TOML file, then `.env`, then environment variables (later wins).
+"""The cluster configuration: a TOML file, then `.env` in the working directory, then the
+cluster's own env file beside its TOML (``spark-pair.toml`` -> ``spark-pair.env``), then
+environment variables (later wins).
 
 Environment variables use the prefix ``VLLM_REDEPLOY_`` and ``__`` for nesting, e.g.
 ``VLLM_REDEPLOY_VLLM__PORT=30001`` or ``VLLM_REDEPLOY_SECRETS__HF_TOKEN=hf_...``. Explicit
-environment variables beat `.env`, as in every twelve-factor tool, so an operator can override a
-committed `.env` for one run.
+environment variables beat the files, as in every twelve-factor tool, so an operator can override
+a committed file for one run.
+
+A process that loads several clusters (``serve``, ``watch``, ``webhook``, ``status`` with several
+``--config``) reads each cluster's own env file only: the process environment and `.env` would
+apply to every cluster at once (one cluster's secrets in another's containers), so such a process
+refuses to start while either sets a ``VLLM_REDEPLOY_`` value (:func:`load_clusters`).
 """
 
 from __future__ import annotations
@@ -361,6 +368,27 @@ class LockConfig(_Section):
     )
 
 
+class WatchConfig(_Section):
+    interval_s: Seconds = Field(
+        15, description="How often `vllm-redeploy watch` looks at the engine and every rank."
+    )
+    failures: int = Field(
+        3, ge=1, description="Bad looks in a row before vllm.cluster.unhealthy is emitted."
+    )
+    max_recoveries: int = Field(
+        3,
+        ge=1,
+        description="Recovery runs allowed per window_s; one more marks the cluster "
+        "crash-looping, and nothing automatic touches it until `vllm-redeploy resume`.",
+    )
+    window_s: Seconds = Field(3600, description="The window max_recoveries counts in.")
+    backoff_s: Seconds = Field(
+        30,
+        description="Wait before the second recovery in the window; each next one waits 4 "
+        "times longer (30 s, 2 min, 8 min).",
+    )
+
+
 class ProbeConfig(_Section):
     prompt: str = Field("Say hello in one sentence.", min_length=1, description="Sanity prompt.")
     max_tokens: int = Field(50, ge=1, description="Token budget of the probe.")
@@ -413,6 +441,10 @@ class ClusterConfig(BaseSettings):
         env_prefix=ENV_PREFIX,
         env_nested_delimiter="__",
         env_file=".env",
+        # Env files may hold other programs' variables (PREFECT_API_AUTH_STRING, for a unit's
+        # EnvironmentFile): only VLLM_REDEPLOY_ ones are ours, and a misspelt one of ours is
+        # still an error.
+        dotenv_filtering="match_prefix",
         env_ignore_empty=True,
         extra="forbid",
     )
@@ -429,6 +461,7 @@ class ClusterConfig(BaseSettings):
     autostart: AutostartConfig = Field(default_factory=AutostartConfig)
     deadlines: DeadlinesConfig = Field(default_factory=DeadlinesConfig)
     lock: LockConfig = Field(default_factory=LockConfig)
+    watch: WatchConfig = Field(default_factory=WatchConfig)
     probe: ProbeConfig = Field(default_factory=ProbeConfig)
     webhook: WebhookConfig = Field(default_factory=WebhookConfig)
     secrets: SecretsConfig = Field(default_factory=SecretsConfig)
@@ -507,14 +540,23 @@ class ConfigError(Exception):
         return (ConfigError, (self.source, self.problems))
 
 
+def cluster_env_file(path: Path) -> Path:
+    """The cluster's own settings and secrets: ``spark-pair.toml`` -> ``spark-pair.env``."""
+    return path.with_suffix(".env")
+
+
 def load_config(
     path: Path | str | None = None, *, env_file: Path | str | None = ".env"
 ) -> ClusterConfig:
-    """Read and validate the configuration, or raise ConfigError naming every problem."""
+    """Read and validate the configuration, or raise ConfigError naming every problem.
+
+    ``env_file``: the shared env file (`.env` in the working directory; None: none); the
+    cluster's own (:func:`cluster_env_file`) is always read and wins over it."""
     path = Path(path) if path is not None else DEFAULT_CONFIG
     data = _read_toml(path)
+    env_files = tuple(f for f in (env_file, cluster_env_file(path)) if f is not None)
     try:
-        config = ClusterConfig(_env_file=env_file, **data)  # type: ignore[call-arg]
+        config = ClusterConfig(_env_file=env_files, **data)  # type: ignore[call-arg]
     except ValidationError as exc:
         problems: list[str] = []
         for error in exc.errors():
@@ -528,6 +570,49 @@ def load_config(
     if problems:
         raise ConfigError(str(path), problems)
     return config
+
+
+def load_clusters(paths: list[Path]) -> list[ClusterConfig]:
+    """Several clusters for one process, each from its TOML and its own env file only; or
+    ConfigError when a shared source would apply to all of them, or two name the same cluster."""
+    if len(paths) == 1:
+        return [load_config(paths[0])]
+    shared = sorted(k for k in os.environ if k.upper().startswith(ENV_PREFIX))
+    dotenv = Path(".env")
+    in_dotenv = _prefixed_keys(dotenv)
+    example = cluster_env_file(paths[0])
+    problems = [
+        f"{where} sets {', '.join(map(shown, keys))}, which would apply to each of the "
+        f"{len(paths)} clusters this process loads (one cluster's secrets and settings in "
+        f"another's): move each value to the env file of its cluster, beside its configuration "
+        f"(e.g. {shown(str(example))}), and {fix}"
+        for where, keys, fix in (
+            ("the environment", shared, "unset it here"),
+            (f"{dotenv.resolve()}", in_dotenv, "remove it from that file"),
+        )
+        if keys
+    ]
+    if problems:
+        raise ConfigError("the controller's environment", problems)
+    configs = [load_config(path, env_file=None) for path in paths]
+    names = [c.name for c in configs]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ConfigError(
+            ", ".join(map(str, paths)),
+            [f"two configurations name the same cluster ({', '.join(repeated)}); name each apart"],
+        )
+    return configs
+
+
+def _prefixed_keys(path: Path) -> list[str]:
+    """The VLLM_REDEPLOY_ keys an env file sets (none when there is no such file)."""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return []
+    keys = (line.split("=", 1)[0].strip().removeprefix("export ").strip() for line in lines)
+    return sorted({k for k in keys if k.upper().startswith(ENV_PREFIX)})
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

@@ -8,6 +8,8 @@ node's events): an automation matches one cluster's reboots, failures and recove
   notifier that retries the same boot yields one event (Prefect drops an id it has seen).
 - ``vllm.cluster.ready`` / ``vllm.cluster.failed`` (the end of every run): resource
   ``vllm-redeploy.cluster.<cluster>``.
+- ``vllm.cluster.unhealthy`` (the watcher, after [watch] failures bad looks in a row) and
+  ``vllm.cluster.crashloop`` (a recovery run past [watch] max_recoveries): the same resource.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from vllm_redeploy.names import cluster_resource_id
 EVENT_REBOOTED = "vllm.node.rebooted"
 EVENT_READY = "vllm.cluster.ready"
 EVENT_FAILED = "vllm.cluster.failed"
+EVENT_UNHEALTHY = "vllm.cluster.unhealthy"
+EVENT_CRASHLOOP = "vllm.cluster.crashloop"
 # Fixed for the life of the project: changing it changes every event id.
 EVENT_NAMESPACE = uuid.UUID("d804102c-4dc8-43d6-90c1-37516ff2ad60")
 LABEL_CLUSTER = f"{PROJECT}.cluster"
@@ -85,4 +89,34 @@ def failed_event(cluster: str, step: str, reason: str) -> dict[str, Any]:
         "event": EVENT_FAILED,
         "resource": cluster_resource(cluster),
         "payload": {"step": step, "reason": reason[:REASON_CHARS]},
+    }
+
+
+def unhealthy_event(cluster: str, problems: list[str], since: datetime) -> dict[str, Any]:
+    """The watcher's word that ``cluster`` has been unhealthy since ``since``; its id derives
+    from the cluster and that moment, so a watcher that repeats itself makes one event."""
+    return {
+        "id": str(uuid.uuid5(EVENT_NAMESPACE, f"{cluster}/unhealthy/{since.isoformat()}")),
+        "event": EVENT_UNHEALTHY,
+        "occurred": datetime.now(UTC).isoformat(),
+        "resource": cluster_resource(cluster),
+        "payload": {
+            "problems": [p[:REASON_CHARS] for p in problems],
+            "since": since.isoformat(),
+        },
+    }
+
+
+def crashloop_event(
+    cluster: str, recoveries: int, window_s: float, reasons: list[str]
+) -> dict[str, Any]:
+    """Arguments of ``emit_event``: ``cluster`` crash-loops; no automatic run touches it now."""
+    return {
+        "event": EVENT_CRASHLOOP,
+        "resource": cluster_resource(cluster),
+        "payload": {
+            "recoveries": recoveries,
+            "window_s": window_s,
+            "reasons": [r[:REASON_CHARS] for r in reasons],
+        },
     }

@@ -46,3 +46,9 @@ def container_name(cluster: str, role: str) -> str:
 def cluster_resource_id(cluster: str) -> str:
     """The ``prefect.resource.id`` of a cluster in events: ``vllm-redeploy.cluster.bed``."""
     return f"{PROJECT}.cluster.{cluster}"
+
+
+def webhook_path(cluster: str) -> str:
+    """Where the reboot webhook takes ``cluster``'s notices: ``/clusters/bed`` (+ ``/reboot``);
+    the name's alphabet needs no URL quoting."""
+    return f"/clusters/{cluster}"

@@ -98,7 +98,7 @@ class EndpointStatus:
     models_error: str | None
     health: int | None  # /health status code; None when it did not answer
     version: str | None
-    probe: ProbeVerdict
+    probe: ProbeVerdict | None  # None: not sent (the watcher's quick look)
 
 
 @dataclass(frozen=True)
@@ -146,11 +146,13 @@ class ClusterStatus:
 # --- collecting ------------------------------------------------------------------------------
 
 
-def collect_status(config: ClusterConfig) -> ClusterStatus:
-    """Look at every node and the endpoint, in parallel; change nothing."""
+def collect_status(config: ClusterConfig, quick: bool = False) -> ClusterStatus:
+    """Look at every node and the endpoint, in parallel; change nothing. ``quick`` (the
+    watcher's look, every few seconds) leaves out what costs: the probe (a real completion),
+    nvidia-smi, Ray's member list and the ranks' logs; what runs and what the API says stay."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="endpoint") as pool:
-        endpoint = pool.submit(check_endpoint, config)
-        outcomes = fan_out(config.nodes, lambda n: _node_status(n, config))
+        endpoint = pool.submit(check_endpoint, config, not quick)
+        outcomes = fan_out(config.nodes, lambda n: _node_status(n, config, quick))
         ray = RayStatus()
         nodes = []
         logs: list[tuple[str, str]] = []
@@ -173,7 +175,7 @@ def collect_status(config: ClusterConfig) -> ClusterStatus:
 
 
 def _node_status(
-    node: NodeConfig, config: ClusterConfig
+    node: NodeConfig, config: ClusterConfig, quick: bool = False
 ) -> tuple[NodeStatus, RayStatus | None, list[str]]:
     """The node as it is; on the head also Ray's members; the logs of its running vLLM ranks."""
     role = "head" if node is config.head else "worker"
@@ -184,7 +186,7 @@ def _node_status(
         except RemoteError as exc:
             return _unreachable(node, config, str(exc)), None, []
         rtt_ms = round(rtt * 1000, 1)
-        gpu = _gpu(access)
+        gpu = None if quick else _gpu(access)
         try:
             containers = _containers(access, node, config)
         except RemoteError as exc:  # reachable, but Docker did not answer
@@ -193,11 +195,11 @@ def _node_status(
             )
             unknown = RayStatus(problems=[f"Ray unknown: {exc}"]) if role == "head" else None
             return status, unknown, []
-        ray = _ray(access, config, containers) if role == "head" else None
+        ray = _ray(access, config, containers) if role == "head" and not quick else None
         status = NodeStatus(
             node.name, node.address, node.ip, role, True, rtt_ms, None, containers, gpu
         )
-        return status, ray, _rank_logs(access, containers)
+        return status, ray, [] if quick else _rank_logs(access, containers)
 
 
 def _rank_logs(access: NodeAccess, containers: list[ContainerStatus]) -> list[str]:
@@ -266,7 +268,7 @@ def _ray(access: NodeAccess, config: ClusterConfig, containers: list[ContainerSt
     return RayStatus(members, membership_problems(config, members))
 
 
-def check_endpoint(config: ClusterConfig) -> EndpointStatus:
+def check_endpoint(config: ClusterConfig, probe: bool = True) -> EndpointStatus:
     base = api_base(config)
     want = config.vllm.served_name
     health: int | None = None
@@ -274,9 +276,11 @@ def check_endpoint(config: ClusterConfig) -> EndpointStatus:
         models, models_error = list_models(client, base)
         with contextlib.suppress(httpx.HTTPError):
             health = client.get(f"{base}/health").status_code
-        version = engine_version(client, base) if models is not None else None
-    p = config.probe
-    verdict = run_probe(base, want, p.prompt, p.max_tokens, p.temperature, p.timeout_s)
+        version = engine_version(client, base) if models is not None and probe else None
+    verdict = None
+    if probe:
+        p = config.probe
+        verdict = run_probe(base, want, p.prompt, p.max_tokens, p.temperature, p.timeout_s)
     return EndpointStatus(f"{base}/v1", want, models, models_error, health, version, verdict)
 
 
@@ -312,7 +316,7 @@ def judge(
         problems.append(f"{endpoint.url}/models lists {listed}, not {endpoint.served_name}")
     if endpoint.health != 200 and endpoint.models is not None:
         problems.append(f"/health answered {endpoint.health or 'nothing'}")
-    if not endpoint.probe.healthy and endpoint.models is not None:
+    if endpoint.probe is not None and not endpoint.probe.healthy and endpoint.models is not None:
         problems.append(f"the probe failed: {endpoint.probe.detail}")
     return problems
 

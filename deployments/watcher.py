@@ -1,0 +1,155 @@
+"""`vllm-redeploy watch`: one long-running process that watches one or more clusters between runs.
+
+Every ``[watch] interval_s`` it looks at each cluster (every member's container, /health,
+/v1/models naming the served model: ``collect_status(quick=True)``, no probe) and, after
+``failures`` bad looks in a row, posts ``vllm.cluster.unhealthy`` to Prefect; the cluster's
+``<cluster>-recover`` deployment turns that into an ``ensure`` run. A process rather than a
+scheduled flow: a look every 15 s as a flow run would fill the UI with thousands of runs a day
+and cost each look a run's overhead; the process only talks to Prefect when something happens.
+
+Crash-loop protection is kept in Prefect (the recover deployment's run history and a Variable),
+so a restarted watcher picks up where the last one was: it reports a cluster again only after the
+backoff since the last recovery (``backoff_s``, then 4 times more), and past ``max_recoveries``
+in ``window_s`` it marks the cluster crash-looping and posts ``vllm.cluster.crashloop`` once
+instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from prefect import get_client
+from prefect.client.schemas.filters import (
+    DeploymentFilter,
+    DeploymentFilterName,
+    FlowRunFilter,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+)
+from prefect.client.schemas.objects import StateType
+from prefect.exceptions import ObjectNotFound
+
+from deployments.cluster_state import mark_crashloop, read_standing, short_reason
+from deployments.events import EventSender
+from tasks.guard import recover_deployment, recoveries
+from vllm_redeploy.config import ClusterConfig
+from vllm_redeploy.events import crashloop_event, unhealthy_event
+from vllm_redeploy.names import lock_name
+from vllm_redeploy.safe_text import one_line
+from vllm_redeploy.status import collect_status
+from vllm_redeploy.watch import Look, WatchState, backoff_s, judge_look
+
+log = logging.getLogger("vllm_redeploy.watch")
+UNDER_WAY = [StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING]
+
+
+@dataclass
+class ClusterWatcher:
+    config: ClusterConfig
+    sender: EventSender
+    state: WatchState = field(default_factory=WatchState)
+
+    def look_once(self) -> None:
+        """One look, and what follows from it."""
+        config = self.config
+        problems = tuple(collect_status(config, quick=True).problems)
+        standing = read_standing(config.name)
+        look = Look(problems, busy=busy(config.name), held_back=standing.headline() is not None)
+        self.state, report = judge_look(self.state, look, datetime.now(UTC), config.watch.failures)
+        if problems and not report and not self.state.reported and self.state.bad:
+            log.info("%s: bad look %d of %d: %s", config.name, self.state.bad,
+                     config.watch.failures, one_line("; ".join(problems)))  # fmt: skip
+        if report:
+            self.report()
+
+    def report(self) -> None:
+        """Tell Prefect: unhealthy, or crash-looping when recoveries are used up; hold the report
+        back while the last recovery's backoff lasts."""
+        config, watch = self.config, self.config.watch
+        past = recoveries(config.name, watch.window_s)
+        if len(past) >= watch.max_recoveries:
+            reasons = [short_reason(r.state.message) for r in past if r.state and r.state.message]
+            reasons = reasons[-3:]
+            mark_crashloop(config.name, len(past), reasons)
+            event = crashloop_event(config.name, len(past), watch.window_s, reasons)
+            occurred = datetime.now(UTC).isoformat()
+            self.sender.submit({**event, "id": str(uuid.uuid4()), "occurred": occurred})
+            log.warning(
+                "%s: crash-looping after %d recoveries; told Prefect", config.name, len(past)
+            )
+            return
+        if past:
+            last = max(r.end_time or r.start_time or datetime.now(UTC) for r in past)
+            left = (
+                backoff_s(watch.backoff_s, len(past)) - (datetime.now(UTC) - last).total_seconds()
+            )
+            if left > 0:
+                log.info("%s: unhealthy; next recovery allowed in %.0f s", config.name, left)
+                self.state = WatchState(
+                    self.state.bad, self.state.since, False, self.state.problems
+                )
+                return
+        assert self.state.since is not None
+        self.sender.submit(
+            unhealthy_event(config.name, list(self.state.problems), self.state.since)
+        )
+        log.warning("%s: unhealthy since %s: %s", config.name, self.state.since.isoformat(),
+                    one_line("; ".join(self.state.problems)))  # fmt: skip
+
+
+def busy(cluster: str) -> bool:
+    """Is a run of the cluster under way: holding it (its lock's slot is taken), or a recovery
+    already on its way (scheduled, pending, running: a restarted watcher must not ask twice)?"""
+    with get_client(sync_client=True) as client:
+        try:
+            if client.read_global_concurrency_limit_by_name(lock_name(cluster)).active_slots:
+                return True
+        except ObjectNotFound:
+            pass
+        waiting = client.read_flow_runs(
+            deployment_filter=DeploymentFilter(
+                name=DeploymentFilterName(any_=[recover_deployment(cluster)])
+            ),
+            flow_run_filter=FlowRunFilter(
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=UNDER_WAY))
+            ),
+            limit=1,
+        )
+        return bool(waiting)
+
+
+def watch_clusters(configs: list[ClusterConfig], stop: threading.Event | None = None) -> None:
+    """Watch every cluster on its own thread until ``stop`` is set (or the process ends)."""
+    stop = stop or threading.Event()
+    sender = EventSender()
+    threads = [
+        threading.Thread(target=_loop, args=(ClusterWatcher(c, sender), stop), name=c.name)
+        for c in configs
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+        sender.close(timeout=10)
+
+
+def _loop(watcher: ClusterWatcher, stop: threading.Event) -> None:
+    interval = watcher.config.watch.interval_s
+    log.info("watching %s every %g s", watcher.config.name, interval)
+    while not stop.is_set():
+        started = time.monotonic()
+        try:
+            watcher.look_once()
+        except Exception as exc:  # a look that failed says nothing about the cluster
+            log.warning("%s: could not look: %s", watcher.config.name, one_line(exc))
+        stop.wait(max(0.0, interval - (time.monotonic() - started)))

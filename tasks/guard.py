@@ -1,0 +1,132 @@
+"""Step "guard": should this run touch the cluster at all, and when?
+
+- Paused (`vllm-redeploy pause`): every run but a manual one with ``override_pause`` changes
+  nothing and ends Skipped, saying who paused it and why.
+- Crash-looping: automatic runs (nightly, after-reboot, recover) end Skipped until a person runs
+  `vllm-redeploy resume`, or a manual run succeeds.
+- A recovery (the watcher's ``vllm.cluster.unhealthy``) is the n-th of the window: past
+  ``[watch] max_recoveries`` it marks the cluster crash-looping, emits ``vllm.cluster.crashloop``
+  once and ends Skipped; otherwise it waits its backoff (``backoff_s``, then 4 times more each
+  time) after the last recovery ended. The count is Prefect's own run history (the
+  ``<cluster>-recover`` deployment's runs that acted), so it survives a restart of every process.
+
+The guard runs before the run takes the cluster: a waiting recovery holds nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Literal
+
+from prefect import get_client, runtime, task
+from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.filters import (
+    DeploymentFilter,
+    DeploymentFilterName,
+    FlowRunFilter,
+    FlowRunFilterId,
+    FlowRunFilterStartTime,
+    FlowRunFilterState,
+    FlowRunFilterStateName,
+    FlowRunFilterStateType,
+)
+from prefect.client.schemas.objects import FlowRun, StateType
+from prefect.client.schemas.sorting import FlowRunSort
+from prefect.events import emit_event
+
+from deployments.cluster_state import (
+    mark_crashloop,
+    read_standing,
+    recoveries_counted_from,
+    short_reason,
+)
+from tasks.context import Run, log
+from vllm_redeploy.events import crashloop_event
+
+Trigger = Literal["manual", "nightly", "after-reboot", "recover"]
+SKIPPED = "Skipped"  # the final state's name of a run that changed nothing on purpose
+UNCHANGED = "Unchanged"  # ensure found the cluster healthy
+RECOVER = "recover"
+
+
+@dataclass(frozen=True)
+class Guard:
+    skip: str | None  # why this run changes nothing; None: go on
+    waited_s: float = 0.0
+
+
+def recover_deployment(cluster: str) -> str:
+    return f"{cluster}-{RECOVER}"
+
+
+# Not cached: the standing is only true now.
+@task(name="guard", cache_policy=NO_CACHE)
+def guard_run(run: Run, trigger: Trigger, override_pause: bool) -> Guard:
+    cluster = run.config.name
+    standing = read_standing(cluster)
+    if standing.pause is not None and (trigger != "manual" or not override_pause):
+        return _skip(standing.pause.describe())
+    if standing.crashloop is not None and trigger != "manual":
+        return _skip(standing.crashloop.describe())
+    if trigger != RECOVER:
+        return Guard(None)
+    return _pace(run)
+
+
+def _pace(run: Run) -> Guard:
+    watch = run.config.watch
+    past = recoveries(run.config.name, watch.window_s)
+    if len(past) >= watch.max_recoveries:
+        reasons = [short_reason(r.state.message) for r in past if r.state and r.state.message]
+        loop = mark_crashloop(run.config.name, len(past), reasons[-3:])
+        emit_event(**crashloop_event(run.config.name, len(past), watch.window_s, reasons[-3:]))
+        log().warning(
+            "%s is crash-looping: %d recoveries in %g s", run.config.name, len(past), watch.window_s
+        )
+        return _skip(loop.describe())
+    if not past:
+        return Guard(None)
+    last_end = max(r.end_time or r.start_time or datetime.now(UTC) for r in past)
+    backoff = watch.backoff_s * 4 ** (len(past) - 1)
+    wait = backoff - (datetime.now(UTC) - last_end).total_seconds()
+    if wait > 0:
+        log().info(
+            "recovery %d of %d in the window: waiting %.0f s (backoff %g s after the last)",
+            len(past) + 1,
+            watch.max_recoveries,
+            wait,
+            backoff,
+        )
+        time.sleep(wait)
+    return Guard(None, max(wait, 0.0))
+
+
+def recoveries(cluster: str, window_s: float) -> list[FlowRun]:
+    """This cluster's recovery runs that acted (redeployed or failed) in the last ``window_s``
+    and since the last `resume`, this one left out, oldest first."""
+    since = datetime.now(UTC) - timedelta(seconds=window_s)
+    since = max(since, recoveries_counted_from(cluster) or since)
+    done = [StateType.COMPLETED, StateType.FAILED, StateType.CRASHED]
+    with get_client(sync_client=True) as client:
+        found = client.read_flow_runs(
+            deployment_filter=DeploymentFilter(
+                name=DeploymentFilterName(any_=[recover_deployment(cluster)])
+            ),
+            flow_run_filter=FlowRunFilter(
+                start_time=FlowRunFilterStartTime(after_=since),
+                state=FlowRunFilterState(
+                    type=FlowRunFilterStateType(any_=done),
+                    name=FlowRunFilterStateName(not_any_=[SKIPPED, UNCHANGED]),
+                ),
+                id=FlowRunFilterId(not_any_=[runtime.flow_run.id] if runtime.flow_run.id else []),
+            ),
+            sort=FlowRunSort.START_TIME_ASC,
+        )
+    return list(found)
+
+
+def _skip(reason: str) -> Guard:
+    log().warning("changing nothing: %s", reason)
+    return Guard(reason)
