@@ -74,10 +74,12 @@ def test_a_shared_value_that_would_bleed_refuses_to_start(
     a, b, _, _ = two
     leaked = "hf_" + secrets.token_hex(8)
     monkeypatch.setenv("VLLM_REDEPLOY_SECRETS__HF_TOKEN", leaked)
+    monkeypatch.setenv("VLLM_REDEPLOY_CONFIG", "/etc/x.toml")  # prefect.yaml's, not a setting
     with pytest.raises(ConfigError) as raised:
         load_clusters([a, b])
     text = "; ".join(raised.value.problems)
     assert "VLLM_REDEPLOY_SECRETS__HF_TOKEN" in text and "pair-a.env" in text
+    assert "VLLM_REDEPLOY_CONFIG" not in text
     assert leaked not in text
     # One cluster in the process: the environment is that cluster's, as before.
     (only,) = load_clusters([a])

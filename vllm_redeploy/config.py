@@ -577,7 +577,7 @@ def load_clusters(paths: list[Path]) -> list[ClusterConfig]:
     ConfigError when a shared source would apply to all of them, or two name the same cluster."""
     if len(paths) == 1:
         return [load_config(paths[0])]
-    shared = sorted(k for k in os.environ if k.upper().startswith(ENV_PREFIX))
+    shared = sorted(k for k in os.environ if _is_setting(k))
     dotenv = Path(".env")
     in_dotenv = _prefixed_keys(dotenv)
     example = cluster_env_file(paths[0])
@@ -606,13 +606,21 @@ def load_clusters(paths: list[Path]) -> list[ClusterConfig]:
 
 
 def _prefixed_keys(path: Path) -> list[str]:
-    """The VLLM_REDEPLOY_ keys an env file sets (none when there is no such file)."""
+    """The cluster settings an env file sets (none when there is no such file)."""
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
         return []
     keys = (line.split("=", 1)[0].strip().removeprefix("export ").strip() for line in lines)
-    return sorted({k for k in keys if k.upper().startswith(ENV_PREFIX)})
+    return sorted({k for k in keys if _is_setting(k)})
+
+
+def _is_setting(key: str) -> bool:
+    """A variable that sets a cluster's value (``VLLM_REDEPLOY_VLLM__PORT``); others of the
+    prefix (``VLLM_REDEPLOY_CONFIG``, prefect.yaml's) are not the configuration's."""
+    upper = key.upper()
+    field = upper.removeprefix(ENV_PREFIX).split("__", 1)[0].lower()
+    return upper.startswith(ENV_PREFIX) and field in ClusterConfig.model_fields
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
