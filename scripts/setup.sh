@@ -68,6 +68,9 @@ works python3 -m venv --help && works python3 -c 'import ensurepip' ||
   need python3-venv "python3 -m venv: the project's .venv"
 postgres_server || need postgresql "a PostgreSQL server: the scale-out tests run Prefect on it"
 have systemd-analyze || need systemd "systemd-analyze verify: the controller's unit files"
+# Docker's own compose plugin counts; Debian's docker-compose only where neither is there.
+have docker-compose || works docker compose version ||
+  need docker-compose "docker-compose config: the controller's compose.yaml"
 have chromium || have chromium-browser || need chromium "the browser test of the UI"
 fc-list 2>/dev/null | grep -qi dejavu || need fonts-dejavu-core "a font for the browser test"
 

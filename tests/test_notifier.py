@@ -1,14 +1,16 @@
-"""The node notifier: installed over SSH onto a test-bed node (under the node's root, not the real
-/etc), run there after a real bed reboot against the real webhook and Prefect server; and its
-retry rules against a webhook that is down, or that refuses."""
+"""The node notifier: installed over SSH onto a test-bed node at the real paths (the node's own
+/etc and /usr/local), by the README's command; run by the node's systemd (the bed's systemctl
+stand-in, from the unit file installed) after a real bed reboot, against the real webhook and
+Prefect server; and its retry rules against a webhook that is down, or that refuses."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import secrets
-import shutil
+import select
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-import docker.errors
 import pytest
 
 from deployments.events import EventSender, reboot_event_id
@@ -32,10 +33,8 @@ from deployments.install_notifier import (
 from deployments.webhook import SECRET_ENV, running_webhook
 from tests.test_webhook import make_config, wait_for_event
 from tests.testbed.bed import TestBed
-from tests.testbed.image import OLD_STACK_IMAGE
 from tests.testbed.node import EmulatedNode
-from tests.testbed.procs import free_port
-from tests.testbed.standins import systemctl
+from tests.testbed.procs import free_port, wait_until
 from vllm_redeploy.config import ClusterConfig, load_config
 from vllm_redeploy.nodes import NodeAccess, SSHRunner, runner_for
 from vllm_redeploy.nodes.runner import OutputCapture
@@ -45,9 +44,6 @@ pytestmark = pytest.mark.integration
 NODE = "node-2"
 SCRIPT = Path(__file__).resolve().parents[1] / "deployments" / "notifier" / "notify.py"
 PYTHON = "/usr/bin/python3"  # what the unit's ExecStart runs
-# The systemctl stand-in only knows units in its units dir: this one stands for the notifier's
-# unit, so `enable` works and the bed "starts" it at boot (a container that exits at once).
-STANDIN_CONTAINER = "vrd-notify-standin"
 
 
 @dataclass
@@ -55,16 +51,19 @@ class Setup:
     bed: TestBed
     node: EmulatedNode
     config: ClusterConfig
+    config_path: Path
     secret: str
     api: str
     sender: EventSender
 
-    @property
-    def prefix(self) -> str:
-        return str(self.node.root)
+    def read(self, relative: str) -> str:
+        """A file as the node sees it (its own /etc, /usr/local)."""
+        done = self.node.run(["cat", f"/{relative}"])
+        assert done.returncode == 0, done.stderr
+        return done.stdout
 
-    def path(self, relative: str) -> Path:
-        return self.node.root / relative
+    def mode(self, relative: str) -> int:
+        return int(self.node.run(["stat", "-c", "%a", f"/{relative}"]).stdout, 8)
 
 
 class RecordingRunner(SSHRunner):
@@ -88,14 +87,10 @@ class RecordingRunner(SSHRunner):
 
 
 def _clean(node: EmulatedNode) -> None:
-    for top in ("etc", "usr"):
-        shutil.rmtree(node.root / top, ignore_errors=True)
-    (node.units_dir / f"{UNIT_NAME}.json").unlink(missing_ok=True)
-    with (
-        contextlib.closing(node.engine.client()) as client,
-        contextlib.suppress(docker.errors.NotFound),
-    ):
-        client.containers.get(STANDIN_CONTAINER).remove(force=True)
+    """Nothing of the notifier left on the node: its unit off and gone, its files removed."""
+    node.systemctl("disable", "--now", UNIT_NAME)
+    node.run(["rm", "-rf", "/etc/vllm-redeploy", "/usr/local/lib/vllm-redeploy", f"/{UNIT_PATH}"])
+    node.systemctl("daemon-reload")
 
 
 @pytest.fixture(scope="module")
@@ -116,35 +111,35 @@ def setup(
     assert secret not in path.read_text()
     node = bed.node(NODE)
     _clean(node)
-    systemctl.define(
-        node.units_dir, UNIT_NAME, STANDIN_CONTAINER, OLD_STACK_IMAGE, ["true"], enabled=False
-    )
     sender = EventSender(prefect_api)
     try:
         with running_webhook(config, sender, port=port):
-            yield Setup(bed, node, config, secret, prefect_api, sender)
+            yield Setup(bed, node, config, path, secret, prefect_api, sender)
     finally:
         sender.close(timeout=10)
         _clean(node)
 
 
-@pytest.fixture(scope="module")
-def installed(setup: Setup) -> Setup:
-    install_notifier(setup.config, NODE, setup.prefix, boot_id_file=str(setup.node.boot_id_file))
-    return setup
+def install_command(setup: Setup) -> list[str]:
+    """`vllm-redeploy install-notifier NODE` as the README has it, in the directory of the
+    cluster's cluster.toml with the secret in the environment: its output lines."""
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "vllm-redeploy"), "install-notifier", NODE],
+        cwd=setup.config_path.parent,
+        env={**os.environ, SECRET_ENV: setup.secret},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout.splitlines()
 
 
 def test_install_is_idempotent_and_keeps_the_secret_off_argv(setup: Setup) -> None:
     node_config = next(n for n in setup.config.nodes if n.name == NODE)
     runner = RecordingRunner(runner_for(node_config, setup.config))  # type: ignore[arg-type]
     with runner:
-        first = install_notifier(
-            setup.config,
-            NODE,
-            setup.prefix,
-            boot_id_file=str(setup.node.boot_id_file),
-            runner=runner,
-        )
+        first = install_notifier(setup.config, NODE, runner=runner)
     assert first == [
         "notify.py: written (new)",
         f"{UNIT_NAME}: written (new)",
@@ -153,16 +148,24 @@ def test_install_is_idempotent_and_keeps_the_secret_off_argv(setup: Setup) -> No
         "systemd reloaded",
         "unit enabled",
     ]
-    assert setup.node.systemctl("is-enabled", UNIT_NAME).stdout.strip() == "enabled"
-    assert setup.path(SCRIPT_PATH).read_bytes() == SCRIPT.read_bytes()
-    assert setup.path(UNIT_PATH).read_bytes() == (SCRIPT.parent / UNIT_NAME).read_bytes()
-    modes = {p: setup.path(p).stat().st_mode & 0o777 for p in (SCRIPT_PATH, ENV_PATH, SECRET_PATH)}
+    node = setup.node
+    assert node.systemctl("is-enabled", UNIT_NAME).stdout == "enabled\n"
+    loaded = node.systemctl("show", "-p", "LoadState,UnitFileState,FragmentPath", UNIT_NAME)
+    assert loaded.stdout.split() == [
+        "LoadState=loaded",
+        "UnitFileState=enabled",
+        f"FragmentPath=/{UNIT_PATH}",
+    ]
+    assert setup.read(SCRIPT_PATH) == SCRIPT.read_text()
+    assert setup.read(UNIT_PATH) == (SCRIPT.parent / UNIT_NAME).read_text()
+    modes = {p: setup.mode(p) for p in (SCRIPT_PATH, ENV_PATH, SECRET_PATH)}
     assert modes == {SCRIPT_PATH: 0o755, ENV_PATH: 0o644, SECRET_PATH: 0o600}
-    assert setup.path(SECRET_PATH).read_text() == setup.secret + "\n"
-    env_file = setup.path(ENV_PATH).read_text()
-    assert f"URL={setup.config.webhook.url}/clusters/{setup.config.name}\n" in env_file
+    assert setup.read(SECRET_PATH) == setup.secret + "\n"
+    env_file = setup.read(ENV_PATH)
+    # The webhook's address (the path under it is the reboot test's to prove).
+    assert f"\nURL={setup.config.webhook.url}" in env_file
     assert f"NODE={NODE}\n" in env_file
-    assert f"SECRET_FILE={setup.path(SECRET_PATH)}\n" in env_file
+    assert f"SECRET_FILE=/{SECRET_PATH}\n" in env_file
     assert setup.secret not in env_file
     # The secret went to the node on stdin once, and never on a command line or in env.
     secret = setup.secret.encode()
@@ -170,10 +173,7 @@ def test_install_is_idempotent_and_keeps_the_secret_off_argv(setup: Setup) -> No
     assert all(setup.secret not in " ".join(env.values()) for _, env, _ in runner.calls)
     assert sum(secret in (stdin or b"") for _, _, stdin in runner.calls) == 1
 
-    second = install_notifier(
-        setup.config, NODE, setup.prefix, boot_id_file=str(setup.node.boot_id_file)
-    )
-    assert second == [
+    assert install_command(setup) == [
         "notify.py: unchanged",
         f"{UNIT_NAME}: unchanged",
         "notifier.env: unchanged",
@@ -182,12 +182,8 @@ def test_install_is_idempotent_and_keeps_the_secret_off_argv(setup: Setup) -> No
     ]
 
     # Drift on the node is repaired, and only it.
-    with setup.path(ENV_PATH).open("a") as f:
-        f.write("MAX_WAIT_S=5\n")
-    setup.path(SECRET_PATH).chmod(0o644)
-    third = install_notifier(
-        setup.config, NODE, setup.prefix, boot_id_file=str(setup.node.boot_id_file)
-    )
+    node.run(["sh", "-c", f"echo MAX_WAIT_S=5 >> /{ENV_PATH} && chmod 644 /{SECRET_PATH}"])
+    third = install_notifier(setup.config, NODE)
     assert third == [
         "notify.py: unchanged",
         f"{UNIT_NAME}: unchanged",
@@ -195,45 +191,57 @@ def test_install_is_idempotent_and_keeps_the_secret_off_argv(setup: Setup) -> No
         "notifier.secret: written (mode 644 -> 600)",
         "unit already enabled",
     ]
-    assert setup.path(SECRET_PATH).stat().st_mode & 0o777 == 0o600
+    assert setup.mode(SECRET_PATH) == 0o600
+
+
+def test_install_below_a_prefix_writes_an_image_root_only(setup: Setup, tmp_path: Path) -> None:
+    """For chroots and image builds: every file below the prefix, nothing enabled."""
+    lines = install_notifier(setup.config, NODE, str(tmp_path), enable=False)
+    assert lines[-1] == "unit not enabled (enable=False)"
+    assert (tmp_path / UNIT_PATH).read_bytes() == (SCRIPT.parent / UNIT_NAME).read_bytes()
+    assert (tmp_path / SECRET_PATH).stat().st_mode & 0o777 == 0o600
+    assert f"SECRET_FILE={tmp_path / SECRET_PATH}\n" in (tmp_path / ENV_PATH).read_text()
 
 
 def test_install_needs_the_webhook_url_and_secret(setup: Setup) -> None:
     no_url = make_config("x", "s" * 32)
     with pytest.raises(ValueError, match=r"webhook\.url"):
-        install_notifier(no_url, "node-1", setup.prefix)
+        install_notifier(no_url, "node-1")
     no_secret = make_config("x", None, url="http://127.0.0.1:9")
     with pytest.raises(ValueError, match=SECRET_ENV):
-        install_notifier(no_secret, "node-1", setup.prefix)
+        install_notifier(no_secret, "node-1")
     with pytest.raises(ValueError, match="no node 'node-7'"):
         install_notifier(make_config("x", "s" * 32, url="http://127.0.0.1:9"), "node-7")
 
 
-def test_notifier_after_a_reboot_gets_its_event_into_prefect(installed: Setup) -> None:
-    setup = installed
-    old_boot = setup.node.boot_id_file.read_text().strip()
+def test_a_reboot_runs_the_installed_notifier_and_its_event_reaches_prefect(
+    setup: Setup,
+) -> None:
+    assert install_command(setup)[-1] in ("unit already enabled", "unit enabled")
+    node = setup.node
+    old_boot = node.boot_id_file.read_text().strip()
     setup.bed.reboot(NODE)
-    boot_id = setup.node.boot_id_file.read_text().strip()
+    boot_id = node.boot_id_file.read_text().strip()
     assert boot_id != old_boot
-    with contextlib.closing(setup.node.engine.client()) as client:
-        client.containers.get(STANDIN_CONTAINER)  # the enabled unit was started at boot
+    assert node.run(["cat", "/proc/sys/kernel/random/boot_id"]).stdout.strip() == boot_id
 
-    node_config = next(n for n in setup.config.nodes if n.name == NODE)
-    with runner_for(node_config, setup.config) as runner:
-        result = runner.run(
-            [PYTHON, str(setup.path(SCRIPT_PATH))],
-            env={"VRD_NOTIFIER_ENV": str(setup.path(ENV_PATH))},
-            timeout=60,
-            check=False,
-        )
-    assert result.exit_code == 0, result.stderr
-    assert "202 accepted" in result.stderr
-    assert setup.secret not in result.stderr + result.stdout
+    # The node's systemd started the enabled unit at boot; nothing else ran the script.
     event_id = reboot_event_id(setup.config.name, NODE, boot_id)
     event = wait_for_event(setup.api, setup.config.name, event_id)
     assert event["resource"]["vllm-redeploy.node"] == NODE
     assert event["payload"]["boot_id"] == boot_id
     assert event["payload"]["uptime_s"] > 0
+    wait_until(
+        lambda: node.systemctl("show", "-p", "SubState", "--value", UNIT_NAME).stdout == "exited\n",
+        20,
+        "the notifier's unit: active (exited)",
+    )
+    assert node.systemctl("is-active", UNIT_NAME).stdout == "active\n"
+    node_config = next(n for n in setup.config.nodes if n.name == NODE)
+    with runner_for(node_config, setup.config) as runner:  # what an operator reads, over SSH
+        logs = runner.run(["journalctl", "-u", "vllm-redeploy-notify", "-b"], timeout=30).stdout
+    assert "202 accepted" in logs and "Started vllm-redeploy-notify.service" in logs
+    assert setup.secret not in logs
 
 
 def _notifier(
@@ -257,24 +265,30 @@ def _notifier(
 def test_notifier_retries_until_the_webhook_comes_up(setup: Setup, tmp_path: Path) -> None:
     port = free_port("127.0.0.1")
     argv, env, boot_id = _notifier(tmp_path, setup.secret, f"http://127.0.0.1:{port}")
-    started = time.monotonic()
-    proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, bufsize=0)
     try:
-        time.sleep(2.5)  # attempts at 0 s and 1 s find nothing listening
+        # The webhook comes up only once the notifier has failed twice (nothing listening).
+        early = [_line(proc), _line(proc)]
         with running_webhook(setup.config, setup.sender, port=port):
-            _, stderr = proc.communicate(timeout=20)
+            _, rest = proc.communicate(timeout=20)
     finally:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
-    elapsed = time.monotonic() - started
-    attempts = stderr.splitlines()
-    assert proc.returncode == 0, stderr
-    assert len(attempts) >= 3 and "retrying in 1 s" in attempts[0], stderr
-    assert "202 accepted" in attempts[-1]
-    assert elapsed > 2.5  # it kept trying until the webhook was up
+    attempts = early + rest.decode().splitlines()
+    assert proc.returncode == 0, attempts
+    assert all("retrying in" in line for line in attempts[:2]), attempts
+    assert "202 accepted" in attempts[-1], attempts
     wait_for_event(
         setup.api, setup.config.name, reboot_event_id(setup.config.name, "node-1", boot_id)
     )
+
+
+def _line(proc: subprocess.Popen[bytes], timeout: float = 20) -> str:
+    """The next line the notifier writes on stderr (one per attempt)."""
+    assert proc.stderr is not None
+    ready, _, _ = select.select([proc.stderr], [], [], timeout)
+    assert ready, f"the notifier wrote nothing for {timeout:g} s"
+    return proc.stderr.readline().decode()
 
 
 def test_notifier_gives_up_at_once_when_refused(setup: Setup, tmp_path: Path) -> None:

@@ -723,5 +723,45 @@ def install_notifier_command(
         raise typer.Exit(EXIT_UNREACHABLE) from None
 
 
+@app.command("install-controller")
+def install_controller_command(
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", "-c", help="Install as /etc/vllm-redeploy/<cluster>.toml"),
+    ] = None,
+    cluster: Annotated[
+        str | None, typer.Option(help="Cluster name (default: the configuration's name)")
+    ] = None,
+    prefix: Annotated[str, typer.Option(help="Install below this root (images, chroots)")] = "/",
+    bin_dir: Annotated[
+        str | None, typer.Option(help="Where the units find vllm-redeploy and prefect")
+    ] = None,
+    enable: Annotated[bool, typer.Option("--enable", help="daemon-reload and enable")] = False,
+) -> None:
+    """Install the controller's systemd units (Prefect server; serve, webhook and watch of a
+    cluster), their user and settings (idempotent); prints what changed."""
+    if config is not None:
+        name = _load(config).name
+        if cluster not in (None, name):
+            err.print(f"--cluster {shown(cluster)} but {config} names {shown(name)}", markup=False)
+            raise typer.Exit(EXIT_CONFIG)
+        cluster = name
+    from deployments.install_controller import InstallError, install_controller
+
+    try:
+        lines = install_controller(
+            prefix, cluster=cluster, config_file=config, bin_dir=bin_dir, enable=enable
+        )
+    except (ValueError, InstallError) as exc:
+        err.print(for_terminal(exc), markup=False, highlight=False)
+        raise typer.Exit(EXIT_CONFIG if isinstance(exc, ValueError) else 1) from None
+    except OSError as exc:  # a file it writes: read-only, no space, ...
+        where = f"{exc.filename}: " if exc.filename else ""
+        err.print(f"install-controller: {where}{for_terminal(exc.strerror or exc)}", markup=False)
+        raise typer.Exit(1) from None
+    for line in lines:
+        out.print(for_terminal(line), markup=False, highlight=False)
+
+
 def main() -> None:
     app()

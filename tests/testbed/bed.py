@@ -178,13 +178,17 @@ class TestBed:
 
     def install_old_stack(self) -> None:
         """What the user's boxes run after a reboot: a previous model's stack that auto-starts,
-        from a systemd unit (glm-server) and a restart policy (glm-proxy), on every node."""
+        from an enabled systemd unit (glm-server.service: a real unit file that runs
+        `docker run --rm --name glm-server ...`) and a restart policy (glm-proxy), on every
+        node."""
         for node in self.nodes:
             # On the head the old server holds the API port, as the previous model's did.
             serve = ["busybox", "httpd", "-f", "-p", f"{node.ip}:{API_PORT}"]
             command = serve if node is self.nodes[0] else ["sleep", "999999"]
             node.define_unit("glm-server.service", "glm-server", image.OLD_STACK_IMAGE, command)
-            node.systemctl("start", "glm-server.service")
+            started = node.systemctl("start", "glm-server.service")
+            if started.returncode != 0:
+                raise RuntimeError(f"{node.name}: glm-server.service: {started.stderr.strip()}")
             with contextlib.closing(node.engine.client()) as client:
                 client.containers.run(
                     image.OLD_STACK_IMAGE,
@@ -203,6 +207,7 @@ class TestBed:
     def down(self) -> None:
         if self.nodes:
             self._parallel(lambda n: n.destroy())
+            node.wait_for_containers(["glm-server"])
         fabric.release_uverbs(self.root)  # the last bed using them removes /dev/infiniband/uverbs*
         shutil.rmtree(self.root, ignore_errors=True)
 

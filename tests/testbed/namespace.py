@@ -5,7 +5,8 @@ argv, so procs.sweep_abandoned finds it after a killed session) mounts, in its n
 
 - /etc and /usr/local: overlays on the host's whose upper dirs live under the node's root, so
   what is written there stays on that node, across reboots, like a disk;
-- /proc/meminfo and /proc/sys/vm/drop_caches: the node's files (tests.testbed.memory).
+- /proc/meminfo and /proc/sys/vm/drop_caches: the node's files (tests.testbed.memory);
+- /proc/sys/kernel/random/boot_id: the node's, new at each of its boots.
 
 The node's sshd and dockerd start inside it (:meth:`NodeNamespace.enter` prefixes their command),
 so SSH sessions, the engine and the host paths of its bind mounts all see the node's view. The
@@ -49,11 +50,20 @@ class NodeNamespace:
         return self.root / "proc" / "drop_caches"
 
     @property
+    def boot_id_file(self) -> Path:
+        return self.root / "boot_id"
+
+    @property
     def log(self) -> Path:
         return self.root / "namespace.log"
 
     def _layer(self, target: str) -> Path:
         return self.root / "fs" / target.strip("/").replace("/", "-")
+
+    def upper(self, target: str) -> Path:
+        """Where the node's own files below ``target`` (one of OVERLAYS) live on the host; write
+        there only while the namespace is not running."""
+        return self._layer(target) / "upper"
 
     def mounts(self) -> list[list[str]]:
         commands = []
@@ -63,6 +73,8 @@ class NodeNamespace:
             commands.append(["mount", "-t", "overlay", "overlay", "-o", options, target])
         commands.append(["mount", "--bind", str(self.meminfo_file), "/proc/meminfo"])
         commands.append(["mount", "--bind", str(self.drop_caches_file), "/proc/sys/vm/drop_caches"])
+        boot_id = "/proc/sys/kernel/random/boot_id"
+        commands.append(["mount", "--bind", str(self.boot_id_file), boot_id])
         return commands
 
     def start(self, timeout: float = 10.0) -> None:

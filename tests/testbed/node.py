@@ -1,11 +1,17 @@
 """One emulated GPU node: its own sshd (loopback address), Docker engine, GPU state, memory and
-units; sshd and the engine run in the node's mount namespace (tests.testbed.namespace)."""
+units; sshd and the engine run in the node's mount namespace (tests.testbed.namespace).
+
+Its systemd units are real unit files in its own /etc/systemd/system (none of the host's), run by
+the ``systemctl`` stand-in (standins/systemctl.py): what a test or the product installs there is
+what runs, and the node's boot starts the enabled ones after Docker and sshd, as systemd does.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -18,9 +24,9 @@ from tests.testbed import fabric
 from tests.testbed.dockerd import DockerEngine
 from tests.testbed.memory import NodeMemory
 from tests.testbed.namespace import NodeNamespace
-from tests.testbed.procs import wait_until
+from tests.testbed.procs import kill_tree, pids_with_arg, wait_until
 from tests.testbed.sshd import SSHServer, keygen
-from tests.testbed.standins import gpu_state, systemctl
+from tests.testbed.standins import gpu_state
 
 STANDINS = Path(__file__).resolve().parent / "standins"
 REPO = STANDINS.parents[2]
@@ -86,13 +92,20 @@ class EmulatedNode:
         return NodeMemory(self.gpu_dir)
 
     @property
-    def units_dir(self) -> Path:
-        return self.root / "units"
+    def systemd_dir(self) -> Path:
+        """The node's /run/systemd for the systemctl stand-in (what it loaded, unit states):
+        emptied at power-off, as a tmpfs is."""
+        return self.root / "systemd"
+
+    @property
+    def journal_dir(self) -> Path:
+        """The node's journal (standins/journal.py); it outlives reboots."""
+        return self.root / "journal"
 
     @property
     def boot_id_file(self) -> Path:
         """The node's /proc/sys/kernel/random/boot_id: a new uuid4 at every start()."""
-        return self.root / "boot_id"
+        return self.namespace.boot_id_file
 
     def env(self) -> dict[str, str]:
         """The node's login environment: what its sshd gives every session."""
@@ -100,30 +113,43 @@ class EmulatedNode:
             "PATH": f"{self.bin_dir}:{SYSTEM_PATH}",
             "DOCKER_HOST": self.engine.url,
             "VRD_GPU_STATE": str(self.gpu_dir),
-            "VRD_UNITS_DIR": str(self.units_dir),
         }
 
     def create(self, gpu_profile: str, gpus: int) -> None:
-        self.units_dir.mkdir(parents=True, exist_ok=True)
         gpu_state.write_config(self.gpu_dir, gpu_profile, gpus)
         ns = self.namespace
         self.memory.create(gpu_profile, ns.meminfo_file, ns.drop_caches_file)
-        self.bin_dir.mkdir(exist_ok=True)
+        self.bin_dir.mkdir(parents=True, exist_ok=True)
         tools = (
             ("nvidia-smi", "nvidia_smi.py"),
             ("systemctl", "systemctl.py"),
+            ("journalctl", "journal.py"),
             ("rdma", "rdma.py"),
         )
         for tool, script in tools:
             wrapper = self.bin_dir / tool
             wrapper.write_text(
                 "#!/bin/sh\n"
-                f"export VRD_GPU_STATE={self.gpu_dir} VRD_UNITS_DIR={self.units_dir}\n"
-                f"export VRD_RDMA_STATE={self.rdma_state}\n"
+                f"export VRD_GPU_STATE={self.gpu_dir} VRD_RDMA_STATE={self.rdma_state}\n"
+                f"export VRD_SYSTEMD_RUN={self.systemd_dir} VRD_JOURNAL={self.journal_dir}\n"
+                f"export VRD_NODE_NAME={self.name}\n"
                 f'exec {sys.executable} {STANDINS / script} "$@"\n'
             )
             wrapper.chmod(0o755)
+        self._create_systemd()
         keygen(self.root / "ssh_host_ed25519_key")
+
+    def _create_systemd(self) -> None:
+        """The node's own systemd configuration, written before its namespace first runs."""
+        etc = self.namespace.upper("/etc")
+        units = etc / "systemd" / "system"
+        units.mkdir(parents=True, exist_ok=True)
+        # Opaque: the host's /etc/systemd/system (its docker, ssh, ... enabled) is not the node's.
+        os.setxattr(units, "trusted.overlay.opaque", b"y")
+        # As on a host whose docker CLI reaches the node's engine: units get DOCKER_HOST.
+        (etc / "systemd" / "system.conf").write_text(
+            f"[Manager]\nDefaultEnvironment=DOCKER_HOST={self.engine.url}\n"
+        )
         if self.spec.rdma:
             self._create_fabric()
 
@@ -162,21 +188,70 @@ class EmulatedNode:
             self.sshd.port,
             self.sshd.pid,
         )
-        for unit_file in sorted(self.units_dir.glob("*.json")):
-            if json.loads(unit_file.read_text())["enabled"]:
-                self.systemctl("start", unit_file.stem)
+        self._start_enabled_units()
 
-    def systemctl(self, *args: str) -> subprocess.CompletedProcess[str]:
+    def _start_enabled_units(self) -> None:
+        """systemd at boot: every unit multi-user.target wants, loaded afresh (the vendor units
+        under /usr/lib are the host's, none of them this node's)."""
+        wants = self.run(["ls", "-1", "/etc/systemd/system/multi-user.target.wants"])
+        enabled = [name for name in wants.stdout.split() if name.endswith(".service")]
+        if not enabled:
+            return
+        started = self.systemctl("start", *enabled)
+        if started.returncode != 0:
+            print(f"{self.name}: at boot: {started.stderr.strip()}", file=sys.stderr)
+        self.wait_for_containers([c for u, c in self._docker_units().items() if u in enabled])
+
+    def wait_for_containers(self, names: list[str], timeout: float = 30) -> None:
+        """Until the containers ``names`` run (a unit's `docker run` starts its own in a while);
+        when they never do, the error quotes the journal of the units that start them."""
+        try:
+            wait_until(lambda: set(names) <= self._running(), timeout, f"{self.name}: {names}")
+        except TimeoutError as exc:
+            units = [u for u, container in self._docker_units().items() if container in names]
+            if not units:
+                raise
+            journal = self.run(["journalctl", "-n", "15", *(f"-u{u}" for u in units)]).stdout
+            raise TimeoutError(f"{exc}; journal of {', '.join(units)}:\n{journal}") from None
+
+    def run(self, argv: list[str], stdin: bytes | None = None) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` on the node as root, in its view of the filesystem (no SSH)."""
         return subprocess.run(
-            [str(self.bin_dir / "systemctl"), *args],
+            [*self.namespace.enter(), *argv],
+            input=stdin.decode() if stdin is not None else None,
             capture_output=True,
             text=True,
             env={**os.environ, **self.env()},
             check=False,
         )
 
-    def define_unit(self, unit: str, container: str, image: str, command: list[str]) -> None:
-        systemctl.define(self.units_dir, unit, container, image, command)
+    def systemctl(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return self.run([str(self.bin_dir / "systemctl"), *args])
+
+    def write_file(self, path: str, content: str, mode: int = 0o644) -> None:
+        """Write ``path`` as a process on the (running) node would: below its /etc or
+        /usr/local it stays on this node."""
+        script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1" && chmod "$2" "$1"'
+        done = self.run(["sh", "-c", script, "sh", path, f"{mode:o}"], content.encode())
+        if done.returncode != 0:
+            raise RuntimeError(f"{self.name}: writing {path}: {done.stderr.strip()}")
+
+    def define_unit(
+        self, unit: str, container: str, image: str, command: list[str], enable: bool = True
+    ) -> None:
+        """A unit file in the node's /etc/systemd/system that runs ``command`` in a container
+        (what a previous model's stack installed), enabled as `systemctl enable` does."""
+        self.write_file(f"/etc/systemd/system/{unit}", docker_unit(container, image, command))
+        units = {**self._docker_units(), unit: container}
+        (self.root / "docker-units.json").write_text(json.dumps(units))
+        done = self.systemctl("enable", unit) if enable else self.systemctl("daemon-reload")
+        if done.returncode != 0:
+            raise RuntimeError(f"{self.name}: {unit}: {done.stderr.strip()}")
+
+    def _docker_units(self) -> dict[str, str]:
+        """The units define_unit made: unit -> its container (a boot waits for them)."""
+        path = self.root / "docker-units.json"
+        return json.loads(path.read_text()) if path.exists() else {}
 
     def hold_gpu(self, mib: int, name: str = "python3") -> subprocess.Popen[str]:
         """Start a stray process on this node that holds ``mib`` of GPU memory until killed (on
@@ -195,10 +270,10 @@ class EmulatedNode:
         """Everything running on the node stops: SSH sessions, the engine with its containers,
         processes holding its GPUs, its mount namespace. Files (units, images, GPU config, what
         was written to /etc) and the fabric's interfaces and address stay (tests.testbed.fabric)."""
-        for unit_file in self.units_dir.glob("*.json"):
-            data = json.loads(unit_file.read_text())
-            data["active"] = False
-            unit_file.write_text(json.dumps(data, indent=1))
+        # The units' processes (each under a supervisor that names the run directory).
+        for supervisor in pids_with_arg(str(self.systemd_dir)):
+            kill_tree(supervisor, grace=0)
+        shutil.rmtree(self.systemd_dir, ignore_errors=True)
         self.sshd.stop()
         self.engine.stop_engine()
         static = {p["pid"] for p in gpu_state.read_config(self.gpu_dir)["static_processes"]}
@@ -258,3 +333,34 @@ class EmulatedNode:
 
     def record(self) -> dict:
         return asdict(self.spec)
+
+
+def docker_unit(container: str, image: str, command: list[str]) -> str:
+    """A unit file like those that start a container at boot; ``docker run`` stays attached,
+    so the unit is active while the container runs."""
+    docker = shutil.which("docker") or "/usr/bin/docker"
+    # --init: the command is not PID 1 and dies of `docker stop`'s SIGTERM, at once, not in 10 s.
+    run = [docker, "run", "--rm", "--init", "--name", container, "--network", "host", image]
+    return "\n".join(
+        [
+            "[Unit]",
+            f"Description={container} (a previous model's stack)",
+            "After=docker.service",
+            "",
+            "[Service]",
+            f"ExecStartPre=-{docker} rm -f {container}",
+            f"ExecStart={_exec_line([*run, *command])}",
+            f"ExecStop={docker} stop {container}",
+            # `docker run` exits with the container's status: 143 when `docker stop` ended it.
+            "SuccessExitStatus=143",
+            "",
+            "[Install]",
+            "WantedBy=multi-user.target",
+            "",
+        ]
+    )
+
+
+def _exec_line(argv: list[str]) -> str:
+    """A command line for an Exec*= setting: quoted words, with % and $ kept literal."""
+    return shlex.join(argv).replace("%", "%%").replace("$", "$$")

@@ -1,0 +1,625 @@
+"""The controller's services: unit files that systemd's own verifier accepts; install-controller
+(run twice: the second run changes nothing; as another user it says to run it as root); the bed's
+systemd stand-in, which loads unit files as systemd 252 does; the units started by a bed node's
+systemd against a real `prefect server start` with an API auth string, which listens on loopback
+only and refuses calls without the string while serve, the webhook and a flow run use it; and
+compose.yaml, checked by docker-compose when it is installed."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from deployments.events import EVENT_REBOOTED, node_resource_id, reboot_event_id
+from deployments.install_controller import (
+    AUTH_CLIENT,
+    AUTH_SERVER,
+    PREFECT_UNIT,
+    SERVICE_USER,
+    SOURCE_DIR,
+    cluster_units,
+    read_env,
+    unit_files,
+)
+from deployments.webhook import SECRET_ENV
+from tests.test_webhook import notice, signed
+from tests.testbed.bed import TestBed
+from tests.testbed.node import EmulatedNode
+from tests.testbed.procs import descendants, free_port, wait_until
+from tests.testbed.standins.units import parse_ini
+from vllm_redeploy.cli import app
+from vllm_redeploy.config import load_config
+from vllm_redeploy.nodes import Runner, runner_for
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent  # this installation: what install-controller points units at
+EXAMPLE = REPO / "cluster.example.toml"
+UNITS = sorted(p.name for p in SOURCE_DIR.glob("*.service"))
+NODE = "node-1"
+SERVER_START_S = 120  # a cold `prefect server start` on two busy cores
+
+
+def _need(program: str, package: str) -> None:
+    if shutil.which(program) is None:
+        pytest.fail(f"{program} is not installed: run .ci/run (apt-get install {package})", False)
+
+
+def _verify(paths: list[Path]) -> None:
+    _need("systemd-analyze", "systemd")
+    done = subprocess.run(
+        ["systemd-analyze", "verify", *map(str, paths)], capture_output=True, text=True
+    )
+    # verify exits 0 on settings it ignores; what it says about them is the failure.
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+
+
+# --- the unit files -------------------------------------------------------------------------
+
+
+def test_the_units_pass_systemd_analyze_and_keep_their_sandbox(tmp_path: Path) -> None:
+    # What install-controller enables is what the package ships, and nothing shipped is left out.
+    enabled = [PREFECT_UNIT, *(u.replace("@x.", "@.") for u in cluster_units("x"))]
+    assert sorted(enabled) == UNITS
+    rendered = []
+    for name, text in unit_files(str(BIN)).items():
+        (tmp_path / name).write_text(text)
+        rendered.append(tmp_path / name)
+        service = parse_ini(text)["Service"]
+        assert service["User"] == [SERVICE_USER] and service["Restart"] == ["on-failure"]
+        assert service["ExecStart"][0].startswith(f"{BIN}/")
+        assert any(f.startswith("/etc/vllm-redeploy/") for f in service["EnvironmentFile"])
+        assert "PREFECT_HOME=/var/lib/vllm-redeploy/prefect" in service["Environment"]
+        for key, value in {
+            "NoNewPrivileges": "yes",
+            "ProtectSystem": "strict",
+            "ProtectHome": "yes",
+            "PrivateTmp": "yes",
+            "StateDirectory": "vllm-redeploy",
+            "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6",
+            "CapabilityBoundingSet": None,  # empty: no capabilities at all
+        }.items():
+            assert service.get(key, [None]) == ([value] if value else []), key
+    _verify(rendered)
+    for path in rendered:
+        scored = subprocess.run(
+            ["systemd-analyze", "security", "--offline=true", "--threshold=20", str(path)],
+            capture_output=True,
+            text=True,
+        )
+        assert scored.returncode == 0, scored.stdout[-400:]  # exposure 2.0 of 10 at most
+    # What the package ships differs from what is installed only in the bin directory.
+    for path in rendered:
+        shipped = (SOURCE_DIR / path.name).read_text()
+        assert path.read_text() == shipped.replace("/opt/vllm-redeploy/.venv/bin/", f"{BIN}/")
+
+
+# --- install-controller below a prefix (an image root) ---------------------------------------
+
+
+def _cli(*args: str) -> list[str]:
+    result = CliRunner().invoke(app, ["install-controller", *args])
+    assert result.exit_code == 0, result.output
+    return result.output.splitlines()
+
+
+def test_install_controller_twice_changes_nothing(tmp_path: Path) -> None:
+    _need("systemctl", "systemd")  # `systemctl --root` enables the units in the image root
+    _need("useradd", "passwd")
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+    for name in ("passwd", "group"):  # an image's, with the base system's users
+        shutil.copy(f"/etc/{name}", root / "etc" / name)
+    args = ["--prefix", str(root), "--config", str(EXAMPLE), "--bin-dir", str(BIN), "--enable"]
+    cluster = load_config(EXAMPLE, env_file=None).name
+    units = ["vllm-redeploy-prefect.service"] + [
+        f"vllm-redeploy-{kind}@{cluster}.service" for kind in ("serve", "webhook", "watch")
+    ]
+    first = _cli(*args)
+    absent = [
+        f"warning: no {p} in {BIN} (the units' ExecStart=)" for p in ("vllm-redeploy", "prefect")
+    ]
+    assert first == [
+        *absent,  # in the image root: it has no venv
+        f"user {SERVICE_USER}: created (system user, home /var/lib/vllm-redeploy)",
+        *(f"{unit}: written (new)" for unit in UNITS),
+        "prefect.env: written (new)",
+        f"{cluster}.env: written (new)",
+        f"{cluster}.toml: written (new)",
+        *(f"{unit}: enabled" for unit in units),
+    ]
+    second = _cli(*args)
+    assert second == [
+        *absent,
+        f"user {SERVICE_USER}: unchanged",
+        *(f"{unit}: unchanged" for unit in UNITS),
+        "prefect.env: unchanged",
+        f"{cluster}.env: unchanged",
+        f"{cluster}.toml: unchanged",
+        *(f"{unit}: already enabled" for unit in units),
+    ]
+
+    passwd = (root / "etc/passwd").read_text()
+    entry = next(line for line in passwd.splitlines() if line.startswith(f"{SERVICE_USER}:"))
+    uid, gid = map(int, entry.split(":")[2:4])
+    assert entry.endswith(":/var/lib/vllm-redeploy:/usr/sbin/nologin") and uid < 1000
+    conf = root / "etc/vllm-redeploy"
+    owners = {
+        p.name: (p.stat().st_mode & 0o777, p.stat().st_uid, p.stat().st_gid) for p in conf.iterdir()
+    }
+    assert owners == {
+        "prefect.env": (0o600, uid, gid),
+        f"{cluster}.env": (0o600, uid, gid),
+        f"{cluster}.toml": (0o640, 0, gid),
+    }
+    server_auth = read_env(conf / "prefect.env")[AUTH_SERVER]
+    assert len(server_auth) > 40 and read_env(conf / f"{cluster}.env")[AUTH_CLIENT] == server_auth
+    assert (conf / f"{cluster}.toml").read_bytes() == EXAMPLE.read_bytes()
+    # The real systemctl (offline, --root) enabled them from their [Install] sections.
+    wants = root / "etc/systemd/system/multi-user.target.wants"
+    assert sorted(p.name for p in wants.iterdir()) == sorted(units)
+    _verify([root / "etc/systemd/system" / unit for unit in UNITS])
+
+    # The env files are the operator's once there: edits stay, only mode and owner are repaired.
+    edited = conf / f"{cluster}.env"
+    edited.write_text(edited.read_text() + "VLLM_REDEPLOY_SECRETS__HF_TOKEN=hf_edit\n")
+    edited.chmod(0o644)
+    third = _cli(*args)
+    assert f"{cluster}.env: mode 644 -> 600" in third
+    assert edited.stat().st_mode & 0o777 == 0o600 and "hf_edit" in edited.read_text()
+    assert [line for line in third[2:] if not line.endswith(("unchanged", "enabled"))] == [
+        f"{cluster}.env: mode 644 -> 600"
+    ]
+
+
+def test_install_controller_refuses_a_cluster_the_configuration_does_not_name(
+    tmp_path: Path,
+) -> None:
+    result = CliRunner().invoke(
+        app, ["install-controller", "--prefix", str(tmp_path), "-c", str(EXAMPLE), "--cluster", "x"]
+    )
+    assert result.exit_code == 2 and "--cluster x but" in result.output
+    assert not any(tmp_path.iterdir())
+
+
+def test_install_controller_as_another_user_says_to_run_it_as_root(tmp_path: Path) -> None:
+    done = subprocess.run(
+        ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+         str(BIN / "vllm-redeploy"), "install-controller", "--prefix", str(tmp_path / "root")],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 1 and done.stdout == ""
+    assert "run it as root (sudo)" in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "root").exists()
+
+
+# --- the bed's systemd: what is installed is what runs -----------------------------------------
+
+
+@pytest.mark.integration
+def test_the_bed_systemd_runs_unit_files_as_systemd_252_does(bed: TestBed, tmp_path: Path) -> None:
+    node = bed.node(NODE)
+    prefix = f"vrd-t{uuid.uuid4().hex[:6]}"
+    template, unit = f"{prefix}@.service", f"{prefix}@one.service"
+    flag = tmp_path / "failed-once"
+
+    def unit_file(word: str) -> str:
+        # Fails once, then runs: Restart=on-failure brings it back.
+        script = f"test -e {flag} || {{ touch {flag}; exit 1; }}; echo {word} %i; exec sleep 600"
+        return (
+            f"[Unit]\nDescription=test %i\n[Service]\nExecStart=/bin/sh -c '{script}'\n"
+            "Restart=on-failure\nRestartSec=0.1\n[Install]\nWantedBy=multi-user.target\n"
+        )
+
+    def said() -> list[str]:
+        log = node.run(["journalctl", "-u", unit, "-o", "cat"]).stdout.splitlines()
+        return [line for line in log if line.endswith(" one")]
+
+    def active() -> bool:
+        return node.systemctl("is-active", unit).stdout == "active\n"
+
+    path = f"/etc/systemd/system/{template}"
+    node.write_file(path, unit_file("first"))
+    try:
+        # A new file is loaded when first named; the instance's %i is its name.
+        started = node.systemctl("start", unit)
+        assert started.returncode == 0, started.stderr
+        wait_until(lambda: said() == ["first one"], 30, "the restarted unit's output")
+        assert active()
+        log = node.run(["journalctl", "-u", unit]).stdout
+        assert "Main process exited, code=exited, status=1/FAILURE" in log
+        assert "Scheduled restart job, restart counter is at 1." in log
+        # A changed file: the old definition runs, with systemd's warning, until daemon-reload.
+        node.write_file(path, unit_file("second"))
+        restarted = node.systemctl("restart", unit)
+        assert restarted.returncode == 0 and "Run 'systemctl daemon-reload'" in restarted.stderr
+        wait_until(lambda: said() == ["first one"] * 2, 30, "the old definition's output")
+        assert node.systemctl("daemon-reload").returncode == 0
+        assert node.systemctl("restart", unit).returncode == 0
+        wait_until(lambda: said() == ["first one"] * 2 + ["second one"], 30, "the new one's")
+        assert node.systemctl("stop", unit).returncode == 0 and not active()
+        # A template is enabled by instance; without an instance it has nothing to enable.
+        assert "no installation config" in node.systemctl("enable", template).stderr
+        assert node.systemctl("enable", unit).returncode == 0
+        assert node.systemctl("is-enabled", unit).stdout == "enabled\n"
+    finally:
+        node.systemctl("disable", "--now", unit)
+        node.run(["rm", "-f", path])
+        node.systemctl("daemon-reload")
+
+
+# --- the units on a bed node, under its systemd ----------------------------------------------
+
+
+@dataclass
+class Controller:
+    node: EmulatedNode
+    runner: Runner
+    cluster: str
+    cluster_toml: Path
+    api: str
+    auth: str
+    webhook: str
+    secret: str
+    install: list[str]
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": "Basic " + base64.b64encode(self.auth.encode()).decode()}
+
+    def systemctl(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return self.node.systemctl(*args)
+
+    def unit(self, kind: str) -> str:
+        return f"vllm-redeploy-{kind}@{self.cluster}.service"
+
+    def wait_for(self, unit: str, check: Callable[[], bool], timeout: float, what: str) -> None:
+        """Until ``check`` holds; the unit's journal tells why when it never does."""
+        try:
+            wait_until(check, timeout, what)
+        except TimeoutError as exc:
+            journal = self.node.run(["journalctl", "-u", unit, "-n", "40"]).stdout
+            raise AssertionError(f"{exc}; journal of {unit}:\n{journal}") from None
+
+    def deployments(self) -> list[str]:
+        found = httpx.post(f"{self.api}/deployments/filter", json={}, headers=self.headers)
+        found.raise_for_status()
+        return sorted(d["name"] for d in found.json())
+
+
+def _install_command(cluster_toml: Path) -> list[str]:
+    return [str(BIN / "vllm-redeploy"), "install-controller", "-c", str(cluster_toml), "--enable"]
+
+
+def _append(runner: Runner, path: str, text: str) -> None:
+    """Edit a file on the node as its operator would; the text travels on stdin."""
+    runner.run(["sh", "-c", 'cat >> "$1"', "sh", path], stdin=text.encode(), timeout=10)
+
+
+def _remove_controller(node: EmulatedNode) -> None:
+    units = " ".join(f"/etc/systemd/system/{u}" for u in UNITS)
+    node.run(
+        [
+            "sh",
+            "-c",
+            "for u in $(ls /etc/systemd/system/multi-user.target.wants/ 2>/dev/null"
+            " | grep ^vllm-redeploy-); do systemctl disable --now $u; done",
+        ]
+    )
+    node.systemctl("stop", "vllm-redeploy-prefect.service")
+    node.run(["sh", "-c", f"rm -rf /etc/vllm-redeploy {units} /etc/systemd/system/*.service.d"])
+    node.run(["userdel", SERVICE_USER])
+    node.systemctl("daemon-reload")
+
+
+@pytest.fixture(scope="module")
+def controller(bed: TestBed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Controller]:
+    work = tmp_path_factory.mktemp("controller")
+    cluster = f"svc{uuid.uuid4().hex[:6]}"
+    hook_port, api_port = free_port("127.0.0.1"), free_port("127.0.0.1")
+    cluster_toml = bed.write_config(
+        work / f"{cluster}.toml",
+        name=cluster,  # type: ignore[arg-type]
+        webhook={"host": "127.0.0.1", "port": hook_port, "url": f"http://127.0.0.1:{hook_port}"},
+    )
+    config = load_config(cluster_toml, env_file=None)
+    node = bed.node(NODE)
+    _remove_controller(node)
+    runner = runner_for(config.nodes[0], config)
+    try:
+        with runner:
+            install = runner.run(_install_command(cluster_toml), timeout=120).stdout.splitlines()
+            # The operator's edits: the server's port (others share this machine's 4200), the
+            # clusters' API address and the webhook's secret.
+            _append(
+                runner, "/etc/vllm-redeploy/prefect.env", f"PREFECT_SERVER_API_PORT={api_port}\n"
+            )
+            secret = uuid.uuid4().hex + uuid.uuid4().hex
+            api = f"http://127.0.0.1:{api_port}/api"
+            _append(
+                runner,
+                f"/etc/vllm-redeploy/{cluster}.env",
+                f"PREFECT_API_URL={api}\n{SECRET_ENV}={secret}\n",
+            )
+            # The bed's /var is the host's: the services keep their state in the test's directory.
+            state = f"[Service]\nEnvironment=PREFECT_HOME={work}/prefect\n"
+            state += f"Environment=PREFECT_UI_STATIC_DIRECTORY={work}/ui\n"
+            for unit in UNITS:
+                node.write_file(f"/etc/systemd/system/{unit}.d/bed.conf", state)
+            auth = read_env_on(node, "/etc/vllm-redeploy/prefect.env")[AUTH_SERVER]
+            assert node.systemctl("daemon-reload").returncode == 0
+            started = node.systemctl("start", "vllm-redeploy-prefect.service")
+            assert started.returncode == 0, started.stderr
+            wait_until(
+                lambda: _answers(f"{api}/health"),
+                SERVER_START_S,
+                "the Prefect server's unit",
+            )
+            hook = f"http://127.0.0.1:{hook_port}"
+            yield Controller(node, runner, cluster, cluster_toml, api, auth, hook, secret, install)
+    finally:
+        _remove_controller(node)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def read_env_on(node: EmulatedNode, path: str) -> dict[str, str]:
+    text = node.run(["cat", path]).stdout
+    return dict(line.split("=", 1) for line in text.splitlines() if line and line[0] != "#")
+
+
+@pytest.mark.integration
+def test_install_controller_on_a_node_installs_there_only_and_a_rerun_changes_nothing(
+    controller: Controller,
+) -> None:
+    cluster = controller.cluster
+    assert (
+        controller.install[0] == f"user {SERVICE_USER}: created (system user, home "
+        "/var/lib/vllm-redeploy)"
+    )
+    assert "systemd reloaded" in controller.install
+    assert controller.install[-3:] == [
+        f"{controller.unit(k)}: enabled" for k in ("serve", "webhook", "watch")
+    ]
+    node = controller.node
+    # The node's own /etc: the user and the units are there, not on the host.
+    assert node.run(["id", "-u", SERVICE_USER]).returncode == 0
+    assert SERVICE_USER not in Path("/etc/passwd").read_text()
+    assert not Path("/etc/systemd/system/vllm-redeploy-prefect.service").exists()
+    stats = node.run(
+        [
+            "stat",
+            "-c",
+            "%n %a %U",
+            "/etc/vllm-redeploy/prefect.env",
+            f"/etc/vllm-redeploy/{cluster}.env",
+        ]
+    ).stdout.split("\n")
+    assert stats[:2] == [
+        f"/etc/vllm-redeploy/prefect.env 600 {SERVICE_USER}",
+        f"/etc/vllm-redeploy/{cluster}.env 600 {SERVICE_USER}",
+    ]
+    assert node.systemctl("is-enabled", controller.unit("serve")).stdout == "enabled\n"
+
+    rerun = controller.runner.run(_install_command(controller.cluster_toml), timeout=120)
+    lines = rerun.stdout.splitlines()
+    assert [line for line in lines if not line.endswith(("unchanged", "already enabled"))] == []
+
+
+@pytest.mark.integration
+def test_the_prefect_unit_refuses_calls_without_its_auth_string(controller: Controller) -> None:
+    api = controller.api
+    assert controller.systemctl("is-active", "vllm-redeploy-prefect.service").stdout == "active\n"
+    assert httpx.post(f"{api}/deployments/filter", json={}).status_code == 401
+    wrong = {"Authorization": "Basic " + base64.b64encode(b"vllm-redeploy:guess").decode()}
+    assert httpx.post(f"{api}/deployments/filter", json={}, headers=wrong).status_code == 401
+    answer = httpx.post(f"{api}/deployments/filter", json={}, headers=controller.headers)
+    assert answer.status_code == 200
+    assert httpx.get(f"{api}/health").status_code == 200  # probes need no auth
+    settings = httpx.get(f"{api.removesuffix('/api')}/ui-settings").json()
+    assert settings["auth"] == "BASIC"  # the UI asks for it
+
+
+@pytest.mark.integration
+def test_the_prefect_unit_listens_on_loopback_only_and_keeps_its_auth_string_off_argv(
+    controller: Controller,
+) -> None:
+    port = httpx.URL(controller.api).port
+    # The node's own address is this machine's too (a loopback one): the server is not there.
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://{controller.node.ip}:{port}/api/health", timeout=5)
+    assert _answers(f"{controller.api}/health")
+    shown = controller.systemctl("show", "-p", "MainPID", "--value", "vllm-redeploy-prefect")
+    main = int(shown.stdout)
+    assert main > 0
+    for pid in [main, *descendants(main)]:
+        with contextlib.suppress(FileNotFoundError):
+            assert controller.auth.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+@pytest.mark.integration
+def test_the_serve_unit_registers_the_deployments_with_the_auth_string(
+    controller: Controller,
+) -> None:
+    serve = controller.unit("serve")
+    started = controller.systemctl("start", serve)
+    assert started.returncode == 0, started.stderr
+    want = [
+        f"{controller.cluster}-{kind}" for kind in ("after-reboot", "manual", "nightly", "recover")
+    ]
+    try:
+        controller.wait_for(
+            serve, lambda: set(want) <= set(controller.deployments()), 120, "serve's deployments"
+        )
+        assert controller.systemctl("is-active", serve).stdout == "active\n"
+    finally:
+        controller.systemctl("stop", serve)
+    assert controller.systemctl("is-active", serve).stdout == "inactive\n"
+    log = controller.node.run(["journalctl", "-u", serve, "-b"]).stdout
+    assert f"Started {serve}" in log and controller.auth not in log
+
+
+@pytest.mark.integration
+def test_the_webhook_unit_answers_and_its_events_reach_prefect_with_the_auth_string(
+    controller: Controller,
+) -> None:
+    webhook = controller.unit("webhook")
+    started = controller.systemctl("start", webhook)
+    assert started.returncode == 0, started.stderr
+    try:
+        controller.wait_for(
+            webhook, lambda: _answers(f"{controller.webhook}/healthz"), 60, "the webhook's unit"
+        )
+        boot_id = str(uuid.uuid4())
+        body, headers = signed(controller.secret, notice(NODE, boot_id))
+        answer = httpx.post(f"{controller.webhook}/reboot", content=body, headers=headers)
+        assert answer.status_code == 202, answer.text
+        event_id = reboot_event_id(controller.cluster, NODE, boot_id)
+        wait_until(lambda: event_id in _event_ids(controller), 30, "the reboot event in Prefect")
+    finally:
+        controller.systemctl("stop", webhook)
+    assert controller.systemctl("is-active", webhook).stdout == "inactive\n"
+
+
+def _event_ids(controller: Controller) -> list[str]:
+    query = {
+        "event": {"name": [EVENT_REBOOTED]},
+        "resource": {"id_prefix": [node_resource_id(controller.cluster, "")]},
+    }
+    found = httpx.post(
+        f"{controller.api}/events/filter",
+        json={"filter": query, "limit": 50},
+        headers=controller.headers,
+    )
+    found.raise_for_status()
+    return [e["id"] for e in found.json()["events"]]
+
+
+FLOW = """
+from prefect import flow
+
+@flow(name="vrd-auth-check")
+def check() -> int:
+    return 42
+
+state = check(return_state=True)
+print(state.type.value, state.result())
+"""
+
+
+@pytest.mark.integration
+def test_a_flow_run_reports_to_the_server_with_the_auth_string(
+    controller: Controller, tmp_path: Path
+) -> None:
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "PREFECT_HOME": str(tmp_path),
+        "PREFECT_API_URL": controller.api,
+        AUTH_CLIENT: controller.auth,
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", FLOW], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.split() == ["COMPLETED", "42"], done.stderr[-2000:]
+    runs = httpx.post(
+        f"{controller.api}/flow_runs/filter",
+        headers=controller.headers,
+        json={"flows": {"name": {"any_": ["vrd-auth-check"]}}},
+    )
+    assert [r["state_type"] for r in runs.json()] == ["COMPLETED"]
+
+
+# --- compose.yaml -----------------------------------------------------------------------------
+
+COMPOSE = REPO / "compose.yaml"
+
+
+def _compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def _required() -> list[str]:
+    """The variables compose.yaml refuses to start without (``${NAME:?why}``)."""
+    return sorted(set(re.findall(r"\$\{([A-Z_]+):\?", COMPOSE.read_text())))
+
+
+def test_compose_runs_the_controller_with_secrets_from_an_uncommitted_env_file() -> None:
+    compose = _compose()
+    services = compose["services"]
+    assert {"postgres", "prefect-server", "worker", "webhook"} <= set(services)
+    # PostgreSQL keeps its data in a volume, on a network that only the server shares.
+    db = services["postgres"]
+    assert all(v.split(":")[0] in compose["volumes"] for v in db["volumes"])
+    [database] = db["networks"]
+    assert compose["networks"][database]["internal"]
+    assert [n for n, s in services.items() if database in s.get("networks", [])] == [
+        "postgres",
+        "prefect-server",
+    ]
+    server = services["prefect-server"]
+    assert server["environment"]["PREFECT_SERVER_DATABASE_CONNECTION_URL"].startswith(
+        "postgresql+asyncpg://"
+    )
+    assert server["environment"]["PREFECT_SERVER_API_AUTH_STRING"].startswith("${")
+    for name, service in services.items():
+        command = service.get("command", [])
+        if "start" in command or "webhook" in command:  # a server: Docker watches its health
+            assert "healthcheck" in service, name
+        if "build" in service:  # ours: each talks to the API with its auth string
+            assert service["environment"]["PREFECT_API_AUTH_STRING"].startswith("${"), name
+        for port in service.get("ports", []):
+            assert port.split(":")[0] in ("127.0.0.1", "${WEBHOOK_ADDRESS"), port
+        for value in service.get("environment", {}).values():  # no secret value in the file
+            assert not any(s in str(value) for s in ("password", "hf_")) or "${" in str(value)
+    assert services["worker"]["depends_on"]["deploy"]["condition"] == (
+        "service_completed_successfully"
+    )
+    # The env file named in the instructions is never committed; its template names every secret.
+    assert "compose.env" in (REPO / ".gitignore").read_text().split()
+    example = (REPO / "deployments/compose/compose.env.example").read_text()
+    assert _required() and all(f"{name}=\n" in example for name in _required())
+    dockerfile = (REPO / "deployments/compose/Dockerfile").read_text()
+    for line in dockerfile.splitlines():
+        if line.startswith("COPY "):
+            assert all((REPO / src).exists() for src in line.split()[1:-1]), line
+    assert "USER vllm-redeploy" in dockerfile and "pip install --no-cache-dir ." in dockerfile
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
+def test_docker_compose_accepts_the_file(tmp_path: Path) -> None:
+    env = tmp_path / "compose.env"
+    values = {name: f"x{i}" for i, name in enumerate(_required())}
+    env.write_text("".join(f"{name}={value}\n" for name, value in values.items()))
+    base = ["docker-compose", "--project-directory", str(REPO), "-f", str(COMPOSE)]
+    resolved = subprocess.run(
+        [*base, "--env-file", str(env), "config"], capture_output=True, text=True, timeout=60
+    )
+    assert resolved.returncode == 0, resolved.stderr
+    server = yaml.safe_load(resolved.stdout)["services"]["prefect-server"]
+    auth = server["environment"]["PREFECT_SERVER_API_AUTH_STRING"]
+    assert auth == values["PREFECT_AUTH_STRING"]
+    assert [port.split(":")[0] for port in server["ports"]] == ["127.0.0.1"]
+    missing = subprocess.run(
+        [*base, "config"], capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"}
+    )
+    assert missing.returncode != 0 and "in compose.env" in missing.stderr
