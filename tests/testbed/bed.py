@@ -24,9 +24,18 @@ from tests.testbed.sshd import keygen
 
 DEFAULT_ROOT = Path("/tmp/vrd-bed")
 FIRST_IP = 11  # node-1 is 127.0.0.11, node-2 127.0.0.12, ...
-# Every 127.x.y.z is loopback: test sessions side by side (several engineers' worktrees on one
-# machine) each take their own 127.0.N.0/24 with VRD_TEST_NET=127.0.N.
-NET = os.environ.get("VRD_TEST_NET", "127.0.0")
+# Every 127.x.y.z is loopback: test sessions side by side each take their own 127.0.N.0/24:
+# pytest-xdist's workers (gw0, gw1, ...) 127.0.40, 127.0.41, ...; or VRD_TEST_NET=127.0.N
+# (several engineers' worktrees on one machine).
+
+
+def _net() -> str:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    default = f"127.0.{40 + int(worker[2:])}" if worker[2:].isdigit() else "127.0.0"
+    return os.environ.get("VRD_TEST_NET") or default
+
+
+NET = _net()
 
 
 def bed_ip(last_octet: int) -> str:
@@ -198,6 +207,7 @@ class TestBed:
                     network_mode="host",
                     restart_policy={"Name": "unless-stopped"},
                 )
+            node.wait_for_containers(["glm-server"])
 
     def reboot(self, name: str) -> None:
         node = self.node(name)
@@ -207,7 +217,6 @@ class TestBed:
     def down(self) -> None:
         if self.nodes:
             self._parallel(lambda n: n.destroy())
-            node.wait_for_containers(["glm-server"])
         fabric.release_uverbs(self.root)  # the last bed using them removes /dev/infiniband/uverbs*
         shutil.rmtree(self.root, ignore_errors=True)
 

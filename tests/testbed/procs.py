@@ -36,11 +36,24 @@ TEST_PORTS = range(21000, 30000)
 _handed_out: set[tuple[str, int]] = set()
 
 
+def _my_ports() -> range:
+    """pytest-xdist's workers pick from their own slice: a port one of them picked but has not
+    bound yet is never another's pick."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if not worker[2:].isdigit() or count <= 1:
+        return TEST_PORTS
+    size = len(TEST_PORTS) // count
+    start = TEST_PORTS.start + int(worker[2:]) * size
+    return range(start, start + size)
+
+
 def free_port(host: str) -> int:
     """A port nothing listens on at ``host`` (or on all addresses), not handed out before."""
     rng = random.Random()
+    ports = _my_ports()
     for _ in range(1000):
-        port = rng.choice(TEST_PORTS)
+        port = rng.choice(ports)
         if (host, port) in _handed_out:
             continue
         with socket.socket() as s:
