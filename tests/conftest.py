@@ -159,6 +159,16 @@ def prefect_api(prefect_server: str) -> Iterator[str]:
         os.environ.pop("PREFECT_API_URL", None)
 
 
+OUTPUT = Path(__file__).resolve().parent / "output"
+
+
+def keep_for_notes(name: str, text: str) -> None:
+    """What a person reads after a run (its summary, a failure's message) in tests/output/NAME.md
+    (gitignored): the real text for the team's notes and reviews."""
+    OUTPUT.mkdir(exist_ok=True)
+    (OUTPUT / f"{name}.md").write_text(text)
+
+
 def make_bed(nodes: int, gpu: str, first_ip: int, **options: Any) -> TestBed:
     """A bed of ``nodes`` at NET.<first_ip>...; ``options`` go to TestBed.up (image, rdma)."""
     _need("dockerd")

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from flows.redeploy import redeploy_vllm_cluster
-from tests.conftest import make_bed
+from tests.conftest import keep_for_notes, make_bed
 from tests.testbed import image
 from tests.testbed.bed import TestBed
 from vllm_redeploy.config import load_config
@@ -85,6 +85,7 @@ def test_mp_serves_after_a_reboot_with_the_old_stack_back(mp_bed: TestBed, nodes
     state = redeploy_vllm_cluster(str(cluster(mp_bed, nodes, f"mp{nodes}")), return_state=True)
     assert state.is_completed(), state.result(raise_on_failure=False)
     result = state.result()
+    keep_for_notes(f"summary-mp-{nodes}", result["summary"])
     steps = list(result["steps"])
     assert steps[steps.index("ports-free") + 1 :] == [
         "launch-followers",
@@ -171,6 +172,7 @@ def test_a_follower_that_cannot_reach_the_leader_is_named(mp_bed: TestBed) -> No
     )
     state = redeploy_vllm_cluster(str(path), return_state=True)
     message = str(state.result(raise_on_failure=False))
+    keep_for_notes("failure-rendezvous", message)
     assert state.is_failed()
     assert message.startswith(
         f"wait-ready: node-2 never joined the rendezvous at {mp_bed.nodes[0].ip}:"

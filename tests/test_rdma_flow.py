@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from flows.redeploy import redeploy_vllm_cluster
-from tests.conftest import make_bed
+from tests.conftest import keep_for_notes, make_bed
 from tests.testbed.bed import TestBed, to_toml
 from vllm_redeploy.nodes.docker import LABEL_MANAGED
 
@@ -79,6 +79,7 @@ def test_rdma_nodes_give_their_containers_the_hcas_and_nccl_uses_them(
     result = state.result()
     assert "transport" in result["steps"]
     summary = result["summary"]
+    keep_for_notes("summary-rdma", summary)
     assert "NCCL between the nodes: **rdma**." in summary
     for node in ("node-1", "node-2"):
         fab = spark_bed.node(node).fabric
@@ -102,6 +103,7 @@ def test_without_the_devices_nccl_falls_back_and_the_run_fails_saying_what_to_fi
     state = run(path)
     assert state.is_failed()
     message = str(state.result(raise_on_failure=False))
+    keep_for_notes("failure-rdma-required", message)
     assert message.startswith("transport: NCCL did not use RDMA on every node")
     assert "node-1: socket" in message and "node-2: socket" in message
     assert "its containers got no RDMA devices" in message
@@ -116,6 +118,7 @@ def test_without_the_devices_and_not_required_the_run_serves_over_sockets(
     state = run(write(spark_bed, ["node-1", "node-2"], "sockets", fabric={"rdma": "off"}))
     assert state.is_completed(), state.result(raise_on_failure=False)
     summary = state.result()["summary"]
+    keep_for_notes("summary-socket", summary)
     assert "NCCL between the nodes: **socket**." in summary
     assert host_config(spark_bed, "node-2", "vllm-redeploy-bed-ray")["Devices"] in (None, [])
 
