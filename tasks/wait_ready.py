@@ -88,15 +88,23 @@ def wait_until_ready(run: Run, plan: LaunchPlan) -> Ready:
             info = docker.get(name)
             if info is None or not info.running:
                 stopped = _stopped(run, plan, exclude=api)
+                # "and", not "then": which went first is not known (a follower also exits when
+                # its leader dies; the nodes' clocks are not ours to compare).
                 raise StepFailed(
                     STEP,
-                    (f"{stopped[0]}; then " if stopped else "")
+                    (f"{stopped[0]}, and " if stopped else "")
                     + _exited(run, api, info, time.monotonic() - started),
                 )
             now = time.monotonic()
             if now >= next_group_check:
                 next_group_check = now + GROUP_CHECK_S
                 stopped = _stopped(run, plan, exclude=api)
+                info = docker.get(name) if stopped else info
+                if stopped and (info is None or not info.running):  # the API's member went too
+                    raise StepFailed(
+                        STEP,
+                        f"{stopped[0]}, and " + _exited(run, api, info, now - started),
+                    )
                 if stopped:
                     raise StepFailed(
                         STEP,

@@ -161,6 +161,18 @@ def test_a_follower_killed_during_the_load_fails_the_wait_at_once(mp_bed: TestBe
     assert all(found == {} for found in ours(mp_bed).values())  # the whole group was removed
 
 
+def test_the_leader_killed_during_the_load_is_named_with_its_exit(mp_bed: TestBed) -> None:
+    """The out-of-memory kill of vLLM's process, PID 1 of the leader's container (the follower
+    then exits too, having lost its leader)."""
+    path = cluster(mp_bed, 2, "leader-oom", vllm={"env": {"VRD_FAULT": "crash_during_load"}})
+    state = redeploy_vllm_cluster(str(path), return_state=True)
+    message = str(state.result(raise_on_failure=False))
+    assert state.is_failed()
+    assert "the vLLM leader (rank 0) on node-1 exited with code 137" in message, message
+    assert "out-of-memory killer" in message
+    assert all(found == {} for found in ours(mp_bed).values())  # the whole group was removed
+
+
 def test_a_follower_that_cannot_reach_the_leader_is_named(mp_bed: TestBed) -> None:
     worker = mp_bed.nodes[1]
     path = cluster(
