@@ -1,11 +1,12 @@
 """How much time the flow adds around the model's own load, and how fast it notices.
 
-    .venv/bin/python -m bench.flow_timing [--nodes 2 4] [--load 10] [--runs 3]
+    .venv/bin/python -m bench.flow_timing [--nodes 2 4] [--load 10] [--runs 3] [--backends ray mp]
 
-On the test bed, with one real Prefect server for all runs (its start is not counted): per node
-count, the flow's wall time minus the stand-in's load time (overhead), the lag between the
-stand-in starting to serve and the flow's wait-ready step finishing (readiness lag), and, with an
-engine killed during load, the lag between the kill and the wait-ready step failing (crash lag).
+Per launch backend (Ray, or vLLM's own multi-node launcher), on the test bed, with one real
+Prefect server for all runs (its start is not counted): per node count, the flow's wall time minus
+the stand-in's load time (overhead), the lag between the stand-in starting to serve and the flow's
+wait-ready step finishing (readiness lag), and, with an engine killed during load, the lag between
+the kill and the wait-ready step failing (crash lag).
 Medians of ``--runs`` runs; writes bench/results/flow_timing.md.
 """
 
@@ -48,12 +49,12 @@ def _events(path: Path) -> dict[str, float]:
     return {e["event"]: e["t"] for e in map(json.loads, path.read_text().splitlines())}
 
 
-def one_run(bed: TestBed, load_s: float, fault: str = "") -> dict[str, float]:
+def one_run(bed: TestBed, backend: str, load_s: float, fault: str = "") -> dict[str, float]:
     events = bed.root / f"events-{time.monotonic_ns()}.jsonl"
     env = {"VRD_LOAD_SECONDS": str(load_s), "VRD_EVENT_LOG": str(events)}
     if fault:
         env["VRD_FAULT"] = fault
-    path = bed.write_config(bed.root / "bench.toml", vllm={"env": env})
+    path = bed.write_config(bed.root / "bench.toml", vllm={"env": env, "backend": backend})
     started = time.time()
     state = redeploy_vllm_cluster(str(path), "redeploy", return_state=True)
     wall = time.time() - started
@@ -66,12 +67,12 @@ def one_run(bed: TestBed, load_s: float, fault: str = "") -> dict[str, float]:
     return {"overhead_s": wall - load_s, "ready_lag_s": ended - seen["listening"], "wall_s": wall}
 
 
-def measure(nodes: int, load_s: float, runs: int) -> dict[str, float]:
+def measure(backend: str, nodes: int, load_s: float, runs: int) -> dict[str, float]:
     root = Path(tempfile.mkdtemp(prefix="vrd-bench-", dir="/tmp"))
     bed = TestBed.up(nodes, "h200", root, first_ip=100)
     try:
-        ok = [one_run(bed, load_s) for _ in range(runs)]
-        crash = [one_run(bed, 4.0, "crash_during_load") for _ in range(runs)]
+        ok = [one_run(bed, backend, load_s) for _ in range(runs)]
+        crash = [one_run(bed, backend, 4.0, "crash_during_load") for _ in range(runs)]
     finally:
         bed.down()
     rows = ok + crash
@@ -84,18 +85,22 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--load", type=float, default=10.0, help="stand-in load time, s")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--backends", nargs="+", choices=["ray", "mp"], default=["ray", "mp"])
     args = parser.parse_args()
     with prefect_test_harness(server_startup_timeout=60):
-        results = {n: measure(n, args.load, args.runs) for n in args.nodes}
+        results = {
+            (b, n): measure(b, n, args.load, args.runs) for b in args.backends for n in args.nodes
+        }
     lines = [
         f"# Flow timing on the test bed (median of {args.runs}; stand-in load {args.load:g} s)",
         "",
-        "| nodes | flow wall s | overhead s (wall - load) | readiness lag s | crash lag s |",
-        "| --- | --- | --- | --- | --- |",
+        "| backend | nodes | flow wall s | overhead s (wall - load) | readiness lag s "
+        "| crash lag s |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
-    for n, r in results.items():
+    for (b, n), r in results.items():
         lines.append(
-            f"| {n} | {r['wall_s']:.1f} | {r['overhead_s']:.1f} | {r['ready_lag_s']:.2f} "
+            f"| {b} | {n} | {r['wall_s']:.1f} | {r['overhead_s']:.1f} | {r['ready_lag_s']:.2f} "
             f"| {r['crash_lag_s']:.2f} |"
         )
     write_results("flow_timing", lines)
