@@ -215,7 +215,8 @@ def test_hostile_values_reach_the_terminal_and_the_summary_escaped(
     path = bed.write_config(
         bed.root / "nasty.toml",
         vllm={"env": {"VRD_LOAD_SECONDS": "1", "VRD_FAULT": f"wrong_name:{NASTY}"}},
-        deadlines={"model_load_s": 4},
+        # Long enough for the stand-in to come up and list its (wrong) name on a busy machine.
+        deadlines={"model_load_s": 12},
     )
     env = {"PREFECT_API_URL": prefect_api}
     code, shown_in_terminal = in_terminal("run", "-c", str(path), "--keep-on-failure", env=env)
