@@ -31,6 +31,7 @@ EXIT_NO_STATUS = (
     -1
 )  # paramiko's value when the remote side sent no exit status (killed by a signal)
 READ_CHUNK = 65536
+EOF_GRACE_S = 2.0  # after the exit status, how long to wait for EOF (the rest of the output)
 POLL_S = 0.5  # backstop for select(); data and channel close wake us at once
 
 
@@ -261,6 +262,7 @@ class SSHRunner(Runner):
             if stdin is not None:
                 channel.sendall(stdin)
             channel.shutdown_write()
+            exited_at: float | None = None
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -273,7 +275,11 @@ class SSHRunner(Runner):
                 if channel.exit_status_ready() and not (
                     channel.recv_ready() or channel.recv_stderr_ready()
                 ):
-                    break
+                    # sshd may send the exit status before the last of the output: read on until
+                    # EOF (or a short grace, for a background child that keeps the pipe open).
+                    exited_at = exited_at or time.monotonic()
+                    if channel.eof_received or time.monotonic() - exited_at > EOF_GRACE_S:
+                        break
             status = channel.recv_exit_status()
             if status == EXIT_NO_STATUS and not self._still_connected():
                 raise ConnectionLost(
