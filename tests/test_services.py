@@ -287,6 +287,18 @@ class Controller:
     def unit(self, kind: str) -> str:
         return f"vllm-redeploy-{kind}@{self.cluster}.service"
 
+    @contextlib.contextmanager
+    def running(self, kind: str) -> Iterator[str]:
+        """The cluster's ``kind`` unit started for the block, then stopped (and proven so)."""
+        unit = self.unit(kind)
+        started = self.systemctl("start", unit)
+        assert started.returncode == 0, started.stderr
+        try:
+            yield unit
+        finally:
+            self.systemctl("stop", unit)
+        assert self.systemctl("is-active", unit).stdout == "inactive\n"
+
     def wait_for(self, unit: str, check: Callable[[], bool], timeout: float, what: str) -> None:
         """Until ``check`` holds; the unit's journal tells why when it never does."""
         try:
@@ -460,20 +472,14 @@ def test_the_prefect_unit_listens_on_loopback_only_and_keeps_its_auth_string_off
 def test_the_serve_unit_registers_the_deployments_with_the_auth_string(
     controller: Controller,
 ) -> None:
-    serve = controller.unit("serve")
-    started = controller.systemctl("start", serve)
-    assert started.returncode == 0, started.stderr
     want = [
         f"{controller.cluster}-{kind}" for kind in ("after-reboot", "manual", "nightly", "recover")
     ]
-    try:
+    with controller.running("serve") as serve:
         controller.wait_for(
             serve, lambda: set(want) <= set(controller.deployments()), 120, "serve's deployments"
         )
         assert controller.systemctl("is-active", serve).stdout == "active\n"
-    finally:
-        controller.systemctl("stop", serve)
-    assert controller.systemctl("is-active", serve).stdout == "inactive\n"
     log = controller.node.run(["journalctl", "-u", serve, "-b"]).stdout
     assert f"Started {serve}" in log and controller.auth not in log
 
@@ -482,10 +488,7 @@ def test_the_serve_unit_registers_the_deployments_with_the_auth_string(
 def test_the_webhook_unit_answers_and_its_events_reach_prefect_with_the_auth_string(
     controller: Controller,
 ) -> None:
-    webhook = controller.unit("webhook")
-    started = controller.systemctl("start", webhook)
-    assert started.returncode == 0, started.stderr
-    try:
+    with controller.running("webhook") as webhook:
         controller.wait_for(
             webhook, lambda: _answers(f"{controller.webhook}/healthz"), 60, "the webhook's unit"
         )
@@ -495,9 +498,6 @@ def test_the_webhook_unit_answers_and_its_events_reach_prefect_with_the_auth_str
         assert answer.status_code == 202, answer.text
         event_id = reboot_event_id(controller.cluster, NODE, boot_id)
         wait_until(lambda: event_id in _event_ids(controller), 30, "the reboot event in Prefect")
-    finally:
-        controller.systemctl("stop", webhook)
-    assert controller.systemctl("is-active", webhook).stdout == "inactive\n"
 
 
 def _event_ids(controller: Controller) -> list[str]:
