@@ -156,6 +156,10 @@ def test_root_leads_to_the_flow_run_and_both_artifacts(page: Page, ui_run: UIRun
     expect(page).to_have_url(re.compile(r"/v2/"))  # the default UI
     page.get_by_role("link", name="Runs", exact=True).click()
     page.get_by_placeholder("Search by flow run name").fill(ui_run.flow_run_name)
+    # The search reaches the URL after a debounce; a click before it lands on the run's page
+    # and the late URL update then sends the UI to /v2/runs?tab=Logs&flow-run-search=..., an
+    # error page. A person waits for the list to filter, and so does the test.
+    expect(page).to_have_url(re.compile(r"[?&]flow-run-search="))
     page.get_by_role("link", name=ui_run.flow_run_name, exact=True).first.click()
     expect(page).to_have_url(re.compile(rf"/v2/runs/flow-run/{ui_run.flow_run_id}"))
     expect(page.get_by_text("Completed", exact=True).first).to_be_visible()
