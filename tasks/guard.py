@@ -10,6 +10,11 @@
   time) after the last recovery ended. The count is Prefect's own run history (the
   ``<cluster>-recover`` deployment's runs that acted), so it survives a restart of every process.
 
+A recovery while another is under way (running, even just ending: a run lets go of the cluster
+before Prefect marks it Failed) changes nothing: the earlier one is the answer to the same
+failure. The deployment's concurrency limit usually queues the second, but not across a controller
+restart that flushes the old watcher's report while the new one reports again.
+
 The guard runs before the run takes the cluster: a waiting recovery holds nothing.
 """
 
@@ -77,6 +82,10 @@ def guard_run(run: Run, trigger: Trigger, override_pause: bool) -> Guard:
 
 def _pace(run: Run) -> Guard:
     watch = run.config.watch
+    ahead = recovery_under_way(run.config.name)
+    if ahead is not None:
+        since = ahead.start_time.isoformat(timespec="seconds") if ahead.start_time else "?"
+        return _skip(f"recovery {ahead.name} is under way since {since}; this one would repeat it")
     past = recoveries(run.config.name, watch.window_s)
     if len(past) >= watch.max_recoveries:
         reasons = [short_reason(r.state.message) for r in past if r.state and r.state.message]
@@ -125,6 +134,27 @@ def recoveries(cluster: str, window_s: float) -> list[FlowRun]:
             sort=FlowRunSort.START_TIME_ASC,
         )
     return list(found)
+
+
+def recovery_under_way(cluster: str) -> FlowRun | None:
+    """The first other recovery of this cluster that is running and started before this one."""
+    me = runtime.flow_run.id
+    with get_client(sync_client=True) as client:
+        mine = client.read_flow_run(me).start_time if me else None
+        running = client.read_flow_runs(
+            deployment_filter=DeploymentFilter(
+                name=DeploymentFilterName(any_=[recover_deployment(cluster)])
+            ),
+            flow_run_filter=FlowRunFilter(
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])),
+                id=FlowRunFilterId(not_any_=[me] if me else []),
+            ),
+            sort=FlowRunSort.START_TIME_ASC,
+        )
+    if mine is None:
+        return running[0] if running else None
+    ahead = [r for r in running if r.start_time and (r.start_time, str(r.id)) < (mine, str(me))]
+    return ahead[0] if ahead else None
 
 
 def _skip(reason: str) -> Guard:
