@@ -12,8 +12,10 @@
 
 A recovery while another is under way (running, even just ending: a run lets go of the cluster
 before Prefect marks it Failed) changes nothing: the earlier one is the answer to the same
-failure. The deployment's concurrency limit usually queues the second, but not across a controller
-restart that flushes the old watcher's report while the new one reports again.
+failure. The deployment's concurrency limit usually queues the second; this holds whatever lets
+two through (seen once across a controller restart: the stopping watcher flushed its report and
+the new one reported the same failure again). A recovery left running by a killed controller
+holds the next ones back until Prefect marks it Crashed, as it holds back the watcher.
 
 The guard runs before the run takes the cluster: a waiting recovery holds nothing.
 """
