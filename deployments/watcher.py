@@ -25,8 +25,6 @@ from datetime import UTC, datetime
 
 from prefect import get_client
 from prefect.client.schemas.filters import (
-    DeploymentFilter,
-    DeploymentFilterName,
     FlowRunFilter,
     FlowRunFilterState,
     FlowRunFilterStateType,
@@ -34,15 +32,15 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import StateType
 from prefect.exceptions import ObjectNotFound
 
-from deployments.cluster_state import mark_crashloop, read_standing, short_reason
+from deployments.cluster_state import read_standing
 from deployments.events import EventSender
-from tasks.guard import recover_deployment, recoveries
+from tasks.guard import declare_crashloop, pace, read_recover_runs
 from vllm_redeploy.config import ClusterConfig
-from vllm_redeploy.events import crashloop_event, unhealthy_event
+from vllm_redeploy.events import unhealthy_event
 from vllm_redeploy.names import lock_name
 from vllm_redeploy.safe_text import one_line
 from vllm_redeploy.status import collect_status
-from vllm_redeploy.watch import Look, WatchState, backoff_s, judge_look
+from vllm_redeploy.watch import Look, WatchState, judge_look
 
 log = logging.getLogger("vllm_redeploy.watch")
 UNDER_WAY = [StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING]
@@ -70,30 +68,20 @@ class ClusterWatcher:
     def report(self) -> None:
         """Tell Prefect: unhealthy, or crash-looping when recoveries are used up; hold the report
         back while the last recovery's backoff lasts."""
-        config, watch = self.config, self.config.watch
-        past = recoveries(config.name, watch.window_s)
-        if len(past) >= watch.max_recoveries:
-            reasons = [short_reason(r.state.message) for r in past if r.state and r.state.message]
-            reasons = reasons[-3:]
-            mark_crashloop(config.name, len(past), reasons)
-            event = crashloop_event(config.name, len(past), watch.window_s, reasons)
+        config = self.config
+        now = pace(config.name, config.watch)
+        if now.crashloop:
+            _, event = declare_crashloop(config.name, config.watch, now)
             occurred = datetime.now(UTC).isoformat()
             self.sender.submit({**event, "id": str(uuid.uuid4()), "occurred": occurred})
             log.warning(
-                "%s: crash-looping after %d recoveries; told Prefect", config.name, len(past)
+                "%s: crash-looping after %d recoveries; told Prefect", config.name, now.count
             )
             return
-        if past:
-            last = max(r.end_time or r.start_time or datetime.now(UTC) for r in past)
-            left = (
-                backoff_s(watch.backoff_s, len(past)) - (datetime.now(UTC) - last).total_seconds()
-            )
-            if left > 0:
-                log.info("%s: unhealthy; next recovery allowed in %.0f s", config.name, left)
-                self.state = WatchState(
-                    self.state.bad, self.state.since, False, self.state.problems
-                )
-                return
+        if now.wait_s > 0:
+            log.info("%s: unhealthy; next recovery allowed in %.0f s", config.name, now.wait_s)
+            self.state = WatchState(self.state.bad, self.state.since, False, self.state.problems)
+            return
         assert self.state.since is not None
         self.sender.submit(
             unhealthy_event(config.name, list(self.state.problems), self.state.since)
@@ -111,16 +99,8 @@ def busy(cluster: str) -> bool:
                 return True
         except ObjectNotFound:
             pass
-        waiting = client.read_flow_runs(
-            deployment_filter=DeploymentFilter(
-                name=DeploymentFilterName(any_=[recover_deployment(cluster)])
-            ),
-            flow_run_filter=FlowRunFilter(
-                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=UNDER_WAY))
-            ),
-            limit=1,
-        )
-        return bool(waiting)
+        under_way = FlowRunFilterState(type=FlowRunFilterStateType(any_=UNDER_WAY))
+        return bool(read_recover_runs(client, cluster, FlowRunFilter(state=under_way), limit=1))
 
 
 def watch_clusters(configs: list[ClusterConfig], stop: threading.Event | None = None) -> None:

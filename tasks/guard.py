@@ -25,10 +25,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Literal
+from typing import Any, Literal
 
 from prefect import get_client, runtime, task
 from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.filters import (
     DeploymentFilter,
     DeploymentFilterName,
@@ -44,13 +45,16 @@ from prefect.client.schemas.sorting import FlowRunSort
 from prefect.events import emit_event
 
 from deployments.cluster_state import (
+    Crashloop,
     mark_crashloop,
     read_standing,
     recoveries_counted_from,
     short_reason,
 )
 from tasks.context import Run, log
+from vllm_redeploy.config import WatchConfig
 from vllm_redeploy.events import crashloop_event
+from vllm_redeploy.watch import backoff_s
 
 Trigger = Literal["manual", "nightly", "after-reboot", "recover"]
 SKIPPED = "Skipped"  # the final state's name of a run that changed nothing on purpose
@@ -83,35 +87,71 @@ def guard_run(run: Run, trigger: Trigger, override_pause: bool) -> Guard:
 
 
 def _pace(run: Run) -> Guard:
-    watch = run.config.watch
-    ahead = recovery_under_way(run.config.name)
+    cluster, watch = run.config.name, run.config.watch
+    ahead = recovery_under_way(cluster)
     if ahead is not None:
         since = ahead.start_time.isoformat(timespec="seconds") if ahead.start_time else "?"
         return _skip(f"recovery {ahead.name} is under way since {since}; this one would repeat it")
-    past = recoveries(run.config.name, watch.window_s)
-    if len(past) >= watch.max_recoveries:
-        reasons = [short_reason(r.state.message) for r in past if r.state and r.state.message]
-        loop = mark_crashloop(run.config.name, len(past), reasons[-3:])
-        emit_event(**crashloop_event(run.config.name, len(past), watch.window_s, reasons[-3:]))
-        log().warning(
-            "%s is crash-looping: %d recoveries in %g s", run.config.name, len(past), watch.window_s
-        )
+    now = pace(cluster, watch)
+    if now.crashloop:
+        loop, event = declare_crashloop(cluster, watch, now)
+        emit_event(**event)
+        log().warning("%s is crash-looping: %d recoveries in %g s", cluster, now.count,
+                      watch.window_s)  # fmt: skip
         return _skip(loop.describe())
-    if not past:
-        return Guard(None)
-    last_end = max(r.end_time or r.start_time or datetime.now(UTC) for r in past)
-    backoff = watch.backoff_s * 4 ** (len(past) - 1)
-    wait = backoff - (datetime.now(UTC) - last_end).total_seconds()
-    if wait > 0:
+    if now.wait_s > 0:
         log().info(
             "recovery %d of %d in the window: waiting %.0f s (backoff %g s after the last)",
-            len(past) + 1,
+            now.count + 1,
             watch.max_recoveries,
-            wait,
-            backoff,
+            now.wait_s,
+            backoff_s(watch.backoff_s, now.count),
         )
-        time.sleep(wait)
-    return Guard(None, max(wait, 0.0))
+        time.sleep(now.wait_s)
+    return Guard(None, now.wait_s)
+
+
+@dataclass(frozen=True)
+class Pace:
+    """Where a cluster stands in its recovery window; the guard and the watcher both judge by it."""
+
+    count: int  # the recoveries that acted in the window
+    reasons: tuple[str, ...]  # the last (three at most) failures' first lines
+    crashloop: bool  # the recoveries are used up
+    wait_s: float  # how long the next recovery must still wait (its backoff); 0: none
+
+
+def pace(cluster: str, watch: WatchConfig) -> Pace:
+    past = recoveries(cluster, watch.window_s)
+    if not past:
+        return Pace(0, (), False, 0.0)
+    reasons = [short_reason(r.state.message) for r in past if r.state and r.state.message]
+    last_end = max(r.end_time or r.start_time or datetime.now(UTC) for r in past)
+    elapsed = (datetime.now(UTC) - last_end).total_seconds()
+    wait = max(backoff_s(watch.backoff_s, len(past)) - elapsed, 0.0)
+    return Pace(len(past), tuple(reasons[-3:]), len(past) >= watch.max_recoveries, wait)
+
+
+def declare_crashloop(
+    cluster: str, watch: WatchConfig, now: Pace
+) -> tuple[Crashloop, dict[str, Any]]:
+    """Mark the cluster crash-looping; the mark, and the ``vllm.cluster.crashloop`` event's
+    arguments for the caller to send its own way."""
+    loop = mark_crashloop(cluster, now.count, list(now.reasons))
+    return loop, crashloop_event(cluster, now.count, watch.window_s, list(now.reasons))
+
+
+def read_recover_runs(
+    client: SyncPrefectClient, cluster: str, runs: FlowRunFilter, **options: Any
+) -> list[FlowRun]:
+    """The cluster's ``<cluster>-recover`` runs that ``runs`` selects."""
+    return client.read_flow_runs(
+        deployment_filter=DeploymentFilter(
+            name=DeploymentFilterName(any_=[recover_deployment(cluster)])
+        ),
+        flow_run_filter=runs,
+        **options,
+    )
 
 
 def recoveries(cluster: str, window_s: float) -> list[FlowRun]:
@@ -121,11 +161,10 @@ def recoveries(cluster: str, window_s: float) -> list[FlowRun]:
     since = max(since, recoveries_counted_from(cluster) or since)
     done = [StateType.COMPLETED, StateType.FAILED, StateType.CRASHED]
     with get_client(sync_client=True) as client:
-        found = client.read_flow_runs(
-            deployment_filter=DeploymentFilter(
-                name=DeploymentFilterName(any_=[recover_deployment(cluster)])
-            ),
-            flow_run_filter=FlowRunFilter(
+        found = read_recover_runs(
+            client,
+            cluster,
+            FlowRunFilter(
                 start_time=FlowRunFilterStartTime(after_=since),
                 state=FlowRunFilterState(
                     type=FlowRunFilterStateType(any_=done),
@@ -143,11 +182,10 @@ def recovery_under_way(cluster: str) -> FlowRun | None:
     me = runtime.flow_run.id
     with get_client(sync_client=True) as client:
         mine = client.read_flow_run(me).start_time if me else None
-        running = client.read_flow_runs(
-            deployment_filter=DeploymentFilter(
-                name=DeploymentFilterName(any_=[recover_deployment(cluster)])
-            ),
-            flow_run_filter=FlowRunFilter(
+        running = read_recover_runs(
+            client,
+            cluster,
+            FlowRunFilter(
                 state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])),
                 id=FlowRunFilterId(not_any_=[me] if me else []),
             ),
