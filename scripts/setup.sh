@@ -9,6 +9,7 @@
 # What is already there is detected by what it can do, not by Debian package names: a machine
 # that runs Docker from Docker's own packages (docker-ce, containerd.io) has a working `dockerd`
 # and keeps it; nothing here installs, replaces, starts or reconfigures a Docker engine that exists.
+# A lone docker client that no package owns (a static binary) gets Debian's engine beside it.
 # It prints what it would install, and why, before installing. Safe to run again.
 #
 #   scripts/setup.sh               system tools (only the missing ones), then .venv
@@ -43,6 +44,17 @@ postgres_server() {
   have postgres || compgen -G '/usr/lib/postgresql/*/bin/postgres' >/dev/null
 }
 
+# Installed Docker packages that do not come from Debian: docker.io must not be mixed with them.
+docker_packages_of_other_sources() {
+  local found=() package status
+  have dpkg-query || return 0
+  while read -r package status; do
+    [ "$status" = installed ] && found+=("$package")
+  done < <(dpkg-query -W -f='${Package} ${db:Status-Status}\n' \
+    docker-ce docker-ce-cli docker-ee moby-engine moby-cli containerd.io 2>/dev/null)
+  echo "${found[*]}"
+}
+
 plan=() # "package|why"
 need() { plan+=("$1|$2"); }
 
@@ -50,12 +62,14 @@ need() { plan+=("$1|$2"); }
 # dockerd binary; the machine's engine, if any, is never touched.
 if have dockerd && works dockerd --version; then
   echo "setup: Docker engine present ($(command -v dockerd)): left as it is"
-elif have docker && works docker --version; then
-  echo "setup: a docker client ($(command -v docker)) is installed but no dockerd binary;" \
-    "installing Debian's docker.io next to it could conflict with it. Install the engine from" \
-    "the same source as the client (e.g. docker-ce), then run this again." >&2
+elif foreign=$(docker_packages_of_other_sources) && [ -n "$foreign" ]; then
+  echo "setup: Docker packages from another source are installed ($foreign) but no dockerd" \
+    "binary; Debian's docker.io would conflict with them. Install the engine from the same" \
+    "source (e.g. docker-ce), then run this again." >&2
   exit 1
 else
+  # A docker client that no package owns (a static binary in /usr/local/bin, as some machine
+  # images ship) is no conflict: Debian's engine installs beside it and the client talks to it.
   need docker.io "a dockerd binary: each emulated node runs its own private engine"
 fi
 sbin_have sshd || need openssh-server "an sshd binary: each emulated node runs its own sshd"

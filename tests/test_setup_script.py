@@ -59,6 +59,13 @@ DOCKERD_CE = 'echo "Docker version 27.3.1, build 41ca978"'
 DOCKER_CE = 'echo "Docker version 27.3.1, build ce12230"'
 
 
+# dpkg-query -W for the packages asked about: one of them installed, the rest unknown (as dpkg
+# answers for a package it has never seen: on stderr, exit 1).
+DPKG_QUERY = """for p in "$@"; do case "$p" in -*) ;; {installed}) echo "{installed} installed" ;;
+  *) echo "dpkg-query: no packages found matching $p" >&2 ;; esac; done"""
+NO_PACKAGES = DPKG_QUERY.format(installed="none-of-them")
+
+
 def _installs(calls: list[str]) -> list[str]:
     return [c for c in calls if c.startswith("apt-get") and " install " in f" {c} "]
 
@@ -88,11 +95,25 @@ def test_a_machine_without_docker_gets_docker_io_and_is_told_first(tmp_path: Pat
         assert package in done.stdout[plan_at:]
 
 
-def test_a_docker_client_without_an_engine_stops_with_the_fix(tmp_path: Path) -> None:
-    done, calls = _setup(tmp_path, "--system-only", docker=DOCKER_CE)
+def test_a_lone_static_docker_client_gets_the_engine_beside_it(tmp_path: Path) -> None:
+    """This machine image's shape: a static docker CLI in /usr/local/bin that no package owns,
+    no dockerd, no Docker package: Debian's engine installs beside the client."""
+    done, calls = _setup(tmp_path, "--system-only", docker=DOCKER_CE, dpkg_query=NO_PACKAGES)
+
+    assert done.returncode == 0, done.stderr
+    installs = _installs(calls)
+    assert len(installs) == 1 and "docker.io" in installs[0].split(), calls
+
+
+@pytest.mark.parametrize("package", ["docker-ce-cli", "containerd.io", "moby-engine"])
+def test_docker_packages_of_another_source_without_an_engine_stop_with_the_fix(
+    tmp_path: Path, package: str
+) -> None:
+    dpkg_query = DPKG_QUERY.format(installed=package)
+    done, calls = _setup(tmp_path, "--system-only", docker=DOCKER_CE, dpkg_query=dpkg_query)
 
     assert done.returncode == 1
-    assert "no dockerd" in done.stderr and "docker-ce" in done.stderr
+    assert f"({package})" in done.stderr and "docker-ce" in done.stderr, done.stderr
     assert _installs(calls) == [] and "Traceback" not in done.stderr
 
 
