@@ -1,12 +1,17 @@
-"""A node's own view of the filesystem: one mount namespace per emulated node.
+"""A node's own view of the filesystem: one mount and IPC namespace per emulated node.
 
-A holder process per node (``unshare --mount --propagation private``; the node's root is in its
-argv, so procs.sweep_abandoned finds it after a killed session) mounts, in its namespace only:
+A holder process per node (``unshare --mount --ipc --propagation private``; the node's root is in
+its argv, so procs.sweep_abandoned finds it after a killed session) mounts, in its namespace only:
 
 - /etc and /usr/local: overlays on the host's whose upper dirs live under the node's root, so
   what is written there stays on that node, across reboots, like a disk;
 - /proc/meminfo and /proc/sys/vm/drop_caches: the node's files (tests.testbed.memory);
-- /proc/sys/kernel/random/boot_id: the node's, new at each of its boots.
+- /proc/sys/kernel/random/boot_id: the node's, new at each of its boots;
+- /dev/shm: a tmpfs of the node's own, new at each boot, with System V IPC of its own: two real
+  hosts never share shared memory. The real vLLM tells ranks on one host from ranks on others by
+  whether a shared-memory segment one creates can be opened by the other; with the machine's
+  /dev/shm shared by every node, ranks on two nodes took each other for local and waited for ever.
+  Containers run with ``ipc_mode="host"``, which is their node's.
 
 The node's sshd and dockerd start inside it (:meth:`NodeNamespace.enter` prefixes their command),
 so SSH sessions, the engine and the host paths of its bind mounts all see the node's view. The
@@ -33,6 +38,7 @@ from tests.testbed.procs import kill_tree
 REPO = Path(__file__).resolve().parents[2]
 OVERLAYS = ("/etc", "/usr/local")
 READY = b"ready\n"
+SHM_SIZE = "4g"  # an upper bound: tmpfs takes memory only for what is written
 
 
 @dataclass
@@ -75,6 +81,8 @@ class NodeNamespace:
         commands.append(["mount", "--bind", str(self.drop_caches_file), "/proc/sys/vm/drop_caches"])
         boot_id = "/proc/sys/kernel/random/boot_id"
         commands.append(["mount", "--bind", str(self.boot_id_file), boot_id])
+        shm = f"size={SHM_SIZE},mode=1777"
+        commands.append(["mount", "-t", "tmpfs", "-o", shm, "tmpfs", "/dev/shm"])
         return commands
 
     def start(self, timeout: float = 10.0) -> None:
@@ -87,7 +95,7 @@ class NodeNamespace:
              f"exec {shlex.join(watcher)} {shlex.quote(str(self.root))} "
              f"{shlex.quote(str(self.memory_dir))} >/dev/null"]
         )  # fmt: skip
-        argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script]
+        argv = ["unshare", "--mount", "--ipc", "--propagation", "private", "--", "sh", "-c", script]
         with self.log.open("ab") as log:
             proc = subprocess.Popen(
                 argv,
@@ -112,7 +120,7 @@ class NodeNamespace:
         """The command prefix that runs a program inside the namespace."""
         if not self.pid:
             raise RuntimeError(f"the mount namespace of {self.root} is not running")
-        return ["nsenter", f"--target={self.pid}", "--mount", "--"]
+        return ["nsenter", f"--target={self.pid}", "--mount", "--ipc", "--"]
 
     def stop(self) -> None:
         if self.pid:
