@@ -5,7 +5,7 @@ The API port refuses connections for the whole load, so "loading or dead" is jud
 containers (alive, log moving), never from TCP. If any member exits (the engine or leader, a Ray
 container, an mp follower), the wait ends at once with its node, exit code and last log lines.
 On the mp backend it also watches the rendezvous: once the leader listens on the master port,
-every follower must connect from its node within ``[deadlines] rendezvous_s``; one that does not
+every follower must hold a connection to it within ``[deadlines] rendezvous_s``; one that does not
 (wrong fabric IP, a firewall, another interface) is named with both ranks' last log lines, long
 before vLLM's own 600 s rendezvous timeout.
 """
@@ -26,6 +26,7 @@ from vllm_redeploy.names import artifact_key
 from vllm_redeploy.nodes import NodeDocker, RemoteError, fan_out
 from vllm_redeploy.parsers.vllm_log import LoadProgress, last_load_progress, tail_for_people
 from vllm_redeploy.plan import LaunchPlan, Member
+from vllm_redeploy.rendezvous import follower_joined
 from vllm_redeploy.safe_text import block, shown
 from vllm_redeploy.summary import StepEvent, report
 
@@ -201,8 +202,8 @@ def _on(members: list[Member], node: str) -> Member:
 
 @dataclass
 class Rendezvous:
-    """mp backend: which followers have connected to the leader's master port, seen from the
-    head with `ss` (a follower keeps its connection to the rendezvous store while it runs)."""
+    """mp backend: which followers have joined the leader's master port, asked inside each
+    follower's container (vllm_redeploy.rendezvous: the connection seen from its side)."""
 
     plan: LaunchPlan
     listening_since: float | None = None
@@ -220,13 +221,15 @@ class Rendezvous:
             if listens.ok and listens.stdout.strip():
                 self.listening_since = now
             return
-        established = ["ss", "-Htn", "state", "established", f"( sport = :{port} )"]
-        peers = head.run(established, check=False)
-        if not peers.ok:
-            return  # vLLM's own rendezvous timeout still applies
-        ips = {_peer_ip(line) for line in peers.stdout.splitlines()}
         followers = [m for m in self.plan.members if not m.serves_api]
-        self.joined |= {m.node for m in followers if run.node_config(m.node).ip in ips}
+        waiting = [m for m in followers if m.node not in self.joined]
+        answers = fan_out(
+            [run.node_config(m.node) for m in waiting],
+            lambda n: follower_joined(
+                run.node(n.name).docker.exec_runner(_on(waiting, n.name).spec.name), port
+            ),
+        )
+        self.joined |= {m.node for m, a in zip(waiting, answers, strict=True) if a.value}
         missing = [m for m in followers if m.node not in self.joined]
         if not missing:
             self.done = True
@@ -242,8 +245,8 @@ class Rendezvous:
             STEP,
             f"{', '.join(m.node for m in missing)} never joined the rendezvous at "
             f"{config.head.ip}:{port}: the leader on {leader.node} has listened for "
-            f"{now - self.listening_since:.0f} s ([deadlines] rendezvous_s) and no connection "
-            f"came from {run.node_config(first.node).ip}. Check that {first.node} reaches "
+            f"{now - self.listening_since:.0f} s ([deadlines] rendezvous_s) and the follower on "
+            f"{first.node} holds no connection to it. Check that {first.node} reaches "
             f"{config.head.ip} on port {port} (its fabric IP and interface, a firewall). "
             f"Last log lines on {first.node}:\n{block(theirs.strip())}\n"
             f"Last log lines of the leader on {leader.node}:\n{block(ours.strip())}",
@@ -253,15 +256,6 @@ class Rendezvous:
         followers = [m.node for m in self.plan.members if not m.serves_api]
         missing = [n for n in followers if n not in self.joined]
         return f"; never joined the rendezvous: {', '.join(missing)}" if missing else ""
-
-
-def _peer_ip(ss_line: str) -> str:
-    """The peer's address in an `ss -Htn state established` line (Recv-Q Send-Q Local Peer). The
-    rendezvous store listens dual-stack, so IPv4 peers show as ``[::ffff:192.168.200.13]``."""
-    fields = ss_line.split()
-    if len(fields) < 4:
-        return ""
-    return fields[3].rpartition(":")[0].strip("[]").removeprefix("::ffff:")
 
 
 def _tail(docker: NodeDocker, name: str, lines: int) -> str:
