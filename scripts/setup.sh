@@ -12,7 +12,8 @@
 # A lone docker client that no package owns (a static binary) gets Debian's engine beside it.
 # It prints what it would install, and why, before installing. Safe to run again.
 #
-#   scripts/setup.sh               system tools (only the missing ones), then .venv
+#   scripts/setup.sh               system tools (only the missing ones), then .venv and the real
+#                                  vLLM for the bed (scripts/real-vllm.sh, once per machine)
 #   scripts/setup.sh --dry-run     print what it would install; change nothing
 #   scripts/setup.sh --system-only the system tools only, no .venv
 set -euo pipefail
@@ -115,5 +116,7 @@ if $python_env; then
   python3 -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
   .venv/bin/python -m pip install -q -e '.[test]'
+  # The real vLLM (CPU build) and a tiny model for the bed: once per machine, outside the checkout.
+  bash scripts/real-vllm.sh >/dev/null
   echo "setup: done (.venv/bin/vllm-redeploy, .venv/bin/pytest)"
 fi

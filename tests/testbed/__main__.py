@@ -1,4 +1,5 @@
-"""python -m tests.testbed up [--nodes N] [--gpu h200|gb10] | status | reboot NODE | down"""
+"""python -m tests.testbed up [--nodes N] [--gpu h200|gb10] [--real-vllm] | status | reboot NODE |
+down"""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import contextlib
 import sys
 from pathlib import Path
 
+from tests.testbed import real_vllm
 from tests.testbed.bed import DEFAULT_ROOT, TestBed
+from tests.testbed.image import BED_IMAGE
 from tests.testbed.procs import alive
 
 
@@ -19,6 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--nodes", type=int, default=2)
     up.add_argument("--gpu", choices=["h200", "gb10"], default="h200")
     up.add_argument("--no-old-stack", action="store_true", help="no autostart containers")
+    up.add_argument(
+        "--real-vllm",
+        action="store_true",
+        help="the real vLLM (CPU build, scripts/real-vllm.sh) instead of the stand-in; mp backend",
+    )
     up.add_argument(
         "--first-ip",
         type=int,
@@ -32,7 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.verb == "up":
-            bed = TestBed.up(args.nodes, args.gpu, args.root, not args.no_old_stack, args.first_ip)
+            image = BED_IMAGE
+            if args.real_vllm:
+                if (why := real_vllm.missing()) is not None:
+                    raise RuntimeError(why)
+                image = real_vllm.IMAGE
+            bed = TestBed.up(
+                args.nodes, args.gpu, args.root, not args.no_old_stack, args.first_ip, image
+            )
             print(
                 f"bed up: {len(bed.nodes)} nodes ({args.gpu}) in {bed.bring_up_s:.1f} s",
                 file=sys.stderr,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.testbed import fabric, image
+from tests.testbed import fabric, image, real_vllm
 from tests.testbed.node import EmulatedNode, NodeSpec
 from tests.testbed.sshd import keygen
 
@@ -247,7 +247,7 @@ class TestBed:
         it); on GB10 the vLLM stand-in uses the node's memory (standins/unified_memory.py)."""
         unified = {"VRD_UNIFIED_MEMORY": "1"} if self.gpu == "gb10" else {}
         util = GPU_MEMORY_UTILIZATION.get(self.gpu)
-        return {
+        settings = {
             "name": "bed",
             "nodes": [
                 {
@@ -302,6 +302,9 @@ class TestBed:
                 "ray_cluster_s": 60,
             },
         }
+        if self.vllm_image == real_vllm.IMAGE:
+            return real_vllm.settings(settings)
+        return settings
 
     def write_config(self, path: Path | None = None, **changes: dict[str, Any]) -> Path:
         """Write cluster.toml (or ``path``); ``changes`` are merged into the sections by key,

@@ -8,8 +8,9 @@ ID, so every node has the same image ID as a real cluster should.
 
 The images take the shapes of the real ones (BED_IMAGES): a community build without ENTRYPOINT,
 vllm/vllm-openai (``ENTRYPOINT ["vllm", "serve"]``) with Ray (up to vLLM 0.17) and without it
-(vLLM 0.18 on), and NGC's nvcr.io/nvidia/vllm, whose entrypoint prints a banner, then runs the
-command. They share one root filesystem (one layer to copy) and differ in their configuration:
+(vLLM 0.18 on; one more of that shape runs the real vLLM: tests/testbed/real_vllm.py), and NGC's
+nvcr.io/nvidia/vllm, whose entrypoint prints a banner, then runs the command. They share one root
+filesystem (one layer to copy) and differ in their configuration:
 without Ray, PATH leaves out the venv and leads to a `python3` that is the base interpreter with
 only its standard library (``-S``), so neither `ray` nor `import ray` is found.
 """
@@ -22,6 +23,8 @@ import sys
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.testbed import real_vllm
 
 REPO = Path(__file__).resolve().parents[2]
 VENV = Path(sys.prefix)
@@ -54,9 +57,10 @@ class BedImage:
     tag: str
     entrypoint: tuple[str, ...] | None  # the image's ENTRYPOINT; None: it declares none
     ray: bool  # Ray runs in it: `ray` on PATH and `import ray` in its Python
+    bin_dir: str | None = None  # first on PATH: where its `vllm` is (default: the stand-in's)
 
     def changes(self) -> list[str]:
-        changes = image_changes(self.ray)
+        changes = image_changes(self.ray, self.bin_dir)
         if self.entrypoint is not None:
             changes.append(f"ENTRYPOINT {json.dumps(list(self.entrypoint))}")
         return changes
@@ -67,6 +71,8 @@ BED_IMAGES = (
     BedImage(VLLM_OPENAI_IMAGE, ("vllm", "serve"), ray=True),
     BedImage(NGC_IMAGE, (NGC_ENTRYPOINT,), ray=True),
     BedImage(NO_RAY_IMAGE, ("vllm", "serve"), ray=False),
+    # The real vLLM (CPU build, tests/testbed/real_vllm.py), mounted from where it is installed.
+    BedImage(real_vllm.IMAGE, ("vllm", "serve"), ray=False, bin_dir=str(real_vllm.bin_dir())),
 )
 
 
@@ -78,8 +84,10 @@ def runtime_mounts() -> list[str]:
     return [f"{p}:{p}:ro" for p in paths]
 
 
-def image_changes(ray: bool = True) -> list[str]:
+def image_changes(ray: bool = True, bin_dir: str | None = None) -> list[str]:
     bins = f"/opt/vrd/bin:{VENV}/bin" if ray else NO_RAY_BIN
+    if bin_dir:
+        bins = f"{bin_dir}:{NO_RAY_BIN}"
     path = f"{bins}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
     return [
         f"ENV PATH={path}",

