@@ -1,4 +1,6 @@
-"""vLLM stand-in: ``vllm serve MODEL [flags]`` without a GPU, shaped like vLLM 0.19.
+"""vLLM stand-in: ``vllm serve MODEL [flags]`` without a GPU, shaped like vLLM 0.19, and checked
+against the real vLLM 0.32.0 (its CPU build) where the product reads it: refused flags, the
+readiness sequence, the API's answers and the load log (tests/test_vllm_differential.py).
 
 It parses vLLM's flags (unknown ones, ``--enable-reasoning`` included, fail like vLLM's argparse),
 logs in vLLM's format, binds the API port at once but listens only after the emulated weight load
@@ -99,6 +101,12 @@ REASONING_PARSERS = (
     "seed_oss",
     "step3",
 )
+# The end of vLLM 0.32's traceback for a --reasoning-parser it does not know.
+UNKNOWN_PARSER_TRACE = """Traceback (most recent call last):
+  File "vllm/reasoning/abs_reasoning_parsers.py", line 247, in get_reasoning_parser
+    raise KeyError(
+KeyError: "Reasoning parser '{name}' not found. Available parsers: {known}"
+"""
 ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 
 
@@ -211,6 +219,11 @@ class Log:
         self.write(f"(APIServer pid={self.pid}) {level + ':':<9} {message}")
 
 
+def version_at_least(version: str, least: tuple[int, ...]) -> bool:
+    parts = tuple(int(p) for p in version.split("+")[0].split(".")[: len(least)] if p.isdigit())
+    return parts >= least
+
+
 def tqdm_line(done: int, total: int, elapsed: float) -> str:
     """One refresh of vLLM's safetensors bar (tqdm with vLLM's bar_format)."""
     percent = f"{100 * done / total:3.0f}%"
@@ -298,7 +311,8 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument("--max-num-seqs", type=int, default=None)
     serve.add_argument("--enforce-eager", action="store_true")
-    serve.add_argument("--reasoning-parser", default="", choices=["", *REASONING_PARSERS])
+    # Any name parses; an unknown one fails when the server looks it up (vLLM 0.32: exit 1).
+    serve.add_argument("--reasoning-parser", default="")
     add_multi_node_arguments(serve)
 
 
@@ -1183,6 +1197,8 @@ class Handler(BaseHTTPRequestHandler):
         model = request.get("model") or self.app.names[0]
         if model not in self.app.names:
             message = f"The model `{model}` does not exist."
+            if version_at_least(self.app.knobs.version, (0, 32)):  # as the real 0.32.0 says it
+                message += f" Valid aliases: {', '.join(self.app.names)}."
             self._json(404, error_body(message, "NotFoundError", 404, "model"))
             return
         self._answer(request, model)
@@ -1465,6 +1481,10 @@ def run(argv: Sequence[str] | None = None) -> int:
         return 1
     if config.launch.headless or config.launch.follower:
         return run_headless(config, knobs, log)
+    if config.reasoning_parser and config.reasoning_parser not in REASONING_PARSERS:
+        log.traceback(UNKNOWN_PARSER_TRACE.format(
+            name=config.reasoning_parser, known=", ".join(REASONING_PARSERS)))  # fmt: skip
+        return 1
     install_sigterm(log)
     log_startup(log, knobs, args)
     sock = bind_api_socket(config)

@@ -1,0 +1,213 @@
+"""The stand-in against the real vLLM (0.32.0, CPU build): the same requests to both, comparing
+what the product observes. Where they differ, the stand-in changes to match the real engine.
+
+Each runs as a plain process on one node (TP=1) with the same flags and the tiny model, the
+stand-in claiming the real engine's version. Compared: flags refused (exit code and vLLM's
+words), the readiness sequence (connection refused while loading, then /health and /v1/models
+together), the shapes of /v1/models, /health, /version, a chat completion that spends its budget
+thinking and an unknown model's error, and the log lines the product parses (load progress).
+The multi-node rendezvous lines and the exit codes after faults are compared on the bed: the
+real engine's in tests/test_real_vllm.py, the stand-in's in tests/test_mp_backend.py.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.testbed import real_vllm
+from tests.testbed.bed import SERVED_NAME, bed_ip
+from tests.testbed.procs import free_port, spawn, stop
+from vllm_redeploy.parsers.vllm_log import last_load_progress
+
+pytestmark = [pytest.mark.integration, pytest.mark.real_vllm, pytest.mark.timeout(300)]
+REPO = Path(__file__).resolve().parents[1]
+ENGINES = ("real", "standin")
+FLAGS = ["--served-model-name", SERVED_NAME, "--reasoning-parser", "qwen3", "--enforce-eager",
+         "--max-model-len", "1024"]  # fmt: skip
+THINKING = {"model": SERVED_NAME, "max_tokens": 16, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is 2+2?"}]}  # fmt: skip
+
+
+def argv(engine: str, *args: str) -> list[str]:
+    if engine == "real":
+        return [str(real_vllm.bin_dir() / "vllm"), *args]
+    return [sys.executable, "-m", "tests.testbed.standins.vllm_standin", *args]
+
+
+def env(engine: str) -> dict[str, str]:
+    common = {"PATH": "/usr/bin:/bin", "HOME": "/root", "PYTHONUNBUFFERED": "1"}
+    if engine == "real":
+        return common | {"VLLM_CPU_KVCACHE_SPACE": "1",
+                         "TORCHINDUCTOR_CACHE_DIR": str(real_vllm.compile_cache())}  # fmt: skip
+    # One shard, as the tiny model has; the real engine's version.
+    return common | {"PYTHONPATH": str(REPO), "VRD_VLLM_VERSION": real_vllm.VERSION,
+                     "VRD_SHARDS": "1", "VRD_LOAD_SECONDS": "2"}  # fmt: skip
+
+
+@dataclass
+class Server:
+    engine: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    base: str
+    states: list[str]  # the readiness sequence, each state once, as the product sees it
+
+    def get(self, route: str) -> httpx.Response:
+        return httpx.get(self.base + route, timeout=10)
+
+    def post(self, route: str, body: dict[str, Any]) -> httpx.Response:
+        return httpx.post(self.base + route, json=body, timeout=120)
+
+
+def _state(host: str, port: int, base: str) -> str:
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+    except ConnectionRefusedError:
+        return "refused"
+    except OSError:
+        return "no answer"
+    try:
+        health = httpx.get(base + "/health", timeout=2).status_code
+        models = httpx.get(base + "/v1/models", timeout=2)
+    except httpx.HTTPError as exc:
+        return f"listening, {type(exc).__name__}"
+    listed = models.status_code == 200 and SERVED_NAME in models.text
+    return f"health {health}, " + ("model listed" if listed else f"models {models.status_code}")
+
+
+def start(engine: str, workdir: Path) -> Server:
+    host = bed_ip(31 if engine == "real" else 32)
+    port = free_port(host)
+    model = str(real_vllm.model_dir())
+    args = ["serve", model, "--host", host, "--port", str(port), *FLAGS]
+    log = workdir / f"{engine}.log"
+    proc = spawn(argv(engine, *args), log, env(engine))
+    base = f"http://{host}:{port}"
+    states: list[str] = []
+    deadline = time.monotonic() + 240
+    while not states or states[-1] != "health 200, model listed":
+        assert proc.poll() is None, f"{engine} exited {proc.returncode}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"{engine} not served: {states}"
+        state = _state(host, port, base)
+        if not states or states[-1] != state:
+            states.append(state)
+        time.sleep(0.1)
+    return Server(engine, proc, log, base, states)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+    if (why := real_vllm.missing()) is not None:
+        pytest.fail(why, pytrace=False)
+    workdir = tmp_path_factory.mktemp("differential")
+    started: dict[str, Server] = {}
+    try:
+        for engine in ENGINES:
+            started[engine] = start(engine, workdir)
+        yield started
+    finally:
+        for server in started.values():
+            stop(server.proc, grace=10)
+
+
+def shape(value: Any) -> Any:
+    """A JSON value's shape: its keys, recursively, and the types of its leaves."""
+    if isinstance(value, dict):
+        return {k: shape(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [shape(value[0])] if value else []
+    return type(value).__name__
+
+
+def test_readiness_refused_while_loading_then_health_and_models_together(
+    servers: dict[str, Server],
+) -> None:
+    sequences = {engine: server.states for engine, server in servers.items()}
+    assert sequences["real"] == ["refused", "health 200, model listed"], sequences
+    assert sequences["standin"] == sequences["real"], sequences
+
+
+def test_models_health_and_version_answer_alike(servers: dict[str, Server]) -> None:
+    seen = {}
+    for engine, server in servers.items():
+        models = server.get("/v1/models").json()
+        health = server.get("/health")
+        seen[engine] = {
+            "models": shape(models),
+            "id": models["data"][0]["id"],
+            "max_model_len": models["data"][0]["max_model_len"],
+            "health": (health.status_code, health.text),
+            "version": server.get("/version").json(),
+        }
+    assert seen["real"]["version"] == {"version": real_vllm.VERSION}, seen["real"]
+    # The product reads these; other keys (root, parent, permission) may differ in shape.
+    for key in ("id", "max_model_len", "health", "version"):
+        assert seen["standin"][key] == seen["real"][key], (key, seen)
+    assert seen["standin"]["models"]["data"][0].keys() >= {"id", "object", "max_model_len"}
+    assert seen["standin"]["models"].keys() == seen["real"]["models"].keys(), seen
+
+
+def test_a_budget_spent_thinking_has_the_same_shape(servers: dict[str, Server]) -> None:
+    answers = {e: s.post("/v1/chat/completions", THINKING).json() for e, s in servers.items()}
+    real = answers["real"]["choices"][0]
+    assert real["message"]["content"] is None and real["finish_reason"] == "length", real
+    assert real["message"]["reasoning"] and "reasoning_content" not in real["message"], real
+    standin = answers["standin"]["choices"][0]
+    # What the probe reads: the fields it takes the answer from, and their types.
+    for key in ("content", "reasoning"):
+        assert shape(standin["message"][key]) == shape(real["message"][key]), (key, answers)
+    assert standin["finish_reason"] == real["finish_reason"]
+    assert set(standin["message"]) >= {"role", "content", "reasoning"}, standin
+    assert "reasoning_content" not in standin["message"], standin
+    usage = {e: a["usage"]["completion_tokens"] for e, a in answers.items()}
+    assert usage == {"real": 16, "standin": 16}, usage
+
+
+def test_an_unknown_model_is_the_same_404(servers: dict[str, Server]) -> None:
+    body = THINKING | {"model": "no-such-model"}
+    answers = {e: s.post("/v1/chat/completions", body) for e, s in servers.items()}
+    real, standin = answers["real"], answers["standin"]
+    assert real.status_code == standin.status_code == 404
+    assert shape(standin.json()) == shape(real.json()), (real.json(), standin.json())
+    assert standin.json()["error"]["message"] == real.json()["error"]["message"]
+
+
+def test_the_load_progress_lines_parse_alike(servers: dict[str, Server]) -> None:
+    progress = {
+        e: last_load_progress(s.log.read_text(errors="replace")) for e, s in servers.items()
+    }
+    assert progress["real"] is not None and progress["real"].percent == 100, progress
+    assert progress["standin"] == progress["real"], progress
+
+
+@pytest.mark.parametrize(
+    ("flags", "code", "words"),
+    [
+        (["--bogus-flag"], 2, "vllm: error: unrecognized arguments: --bogus-flag"),
+        (["--enable-reasoning", "--reasoning-parser", "qwen3"], 2,
+         "vllm: error: unrecognized arguments: --enable-reasoning"),
+        (["--reasoning-parser", "nosuch"], 1, "Reasoning parser 'nosuch' not found."),
+    ],
+)  # fmt: skip
+def test_refused_flags_fail_alike(flags: list[str], code: int, words: str) -> None:
+    if (why := real_vllm.missing()) is not None:
+        pytest.fail(why, pytrace=False)
+    done = {}
+    for engine in ENGINES:
+        args = ["serve", str(real_vllm.model_dir()), "--port", "1", *flags]
+        result = subprocess.run(
+            argv(engine, *args), capture_output=True, text=True, timeout=120, env=env(engine)
+        )
+        done[engine] = (result.returncode, words in result.stdout + result.stderr)
+    assert done["real"] == (code, True), done
+    assert done["standin"] == done["real"], done
