@@ -28,9 +28,20 @@ def last_load_progress(text: str) -> LoadProgress | None:
 # NCCL's INFO lines (on by default so the transport can be proven) would fill any tail of the
 # engine's log; people reading why a load failed want vLLM's own lines and NCCL's warnings.
 _NCCL_INFO = re.compile(r"\bNCCL INFO\b")
+# Python's warnings ("/path/x.py:138: FutureWarning: ..." and the indented source line after it):
+# the real engine prints a few at every start, enough to push its own lines out of a short tail.
+_PY_WARNING = re.compile(r"^\S+\.py:\d+: \w*Warning: ")
 
 
 def tail_for_people(text: str, lines: int) -> str:
-    """The last ``lines`` lines of a log, NCCL's INFO lines left out."""
-    kept = [line for line in text.splitlines() if not _NCCL_INFO.search(line)]
+    """The last ``lines`` lines of a log, NCCL's INFO lines and Python's warnings left out."""
+    kept: list[str] = []
+    after_warning = False
+    for line in text.splitlines():
+        if after_warning and line.startswith(" "):
+            after_warning = False
+            continue
+        after_warning = bool(_PY_WARNING.match(line))
+        if not after_warning and not _NCCL_INFO.search(line):
+            kept.append(line)
     return "\n".join(kept[-lines:])
