@@ -8,8 +8,9 @@ included, is a client of that store. It connects to ``A:P``, retries refused or 
 connections until the deadline, as the store's client does, and keeps the connection open for
 the life of the process. The store's master waits until world_size ranks have joined.
 
-Clients connect from the node's ``VLLM_HOST_IP``. On real hosts the kernel picks the fabric
-address for a fabric destination; on the bed's loopback addresses it must be told.
+Clients connect from whatever address the kernel picks, as PyTorch's do (on the bed's loopback,
+127.0.0.1 for every node, as the real vLLM shows there), and name their node's ``VLLM_HOST_IP``
+in their hello: the store tells the ranks' nodes by what they say, never by a peer address.
 
 On the connections travels the stand-in's own protocol, not PyTorch's wire format: one JSON
 line per rank (its hello), then one back to each (the rank-to-node map and NCCL's communicator
@@ -485,10 +486,11 @@ class StoreServer:
     def _serve(self, conn: socket.socket) -> None:
         reader = conn.makefile("rb")
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            rank = int(json.loads(reader.readline())["rank"])
+            hello = json.loads(reader.readline())
+            rank = int(hello["rank"])
             conn.sendall(b"{}\n")
             with self.changed:
-                self.joined[rank] = (_peer_ip(conn), conn)
+                self.joined[rank] = (str(hello.get("ip") or _peer_ip(conn)), conn)
                 self.changed.notify_all()
             while reader.readline():  # nothing more comes: EOF when the rank goes
                 pass
@@ -526,10 +528,10 @@ class StoreClient:
     of this node when the store runs on another one."""
 
     def __init__(
-        self, rank: int, source_ip: str | None, own: frozenset[str], firewalled: bool = False
+        self, rank: int, node_ip: str | None, own: frozenset[str], firewalled: bool = False
     ) -> None:
         self.rank = rank
-        self.source_ip = source_ip
+        self.source_ip = node_ip  # said in the hello, not bound: the kernel picks the source
         self.own = own
         self.firewalled = firewalled  # a firewall drops this node's packets to the others
         self.reader: Any = None
@@ -554,7 +556,8 @@ class StoreClient:
         """Say hello; the store answers each one."""
         sock = self._dial(host, port, timeout)
         try:
-            sock.sendall(json.dumps({"rank": self.rank}).encode() + b"\n")
+            hello = {"rank": self.rank, "ip": self.source_ip}
+            sock.sendall(json.dumps(hello).encode() + b"\n")
             reader = sock.makefile("rb")
             if not reader.readline():
                 raise ConnectionResetError(errno.ECONNRESET, os.strerror(errno.ECONNRESET))
@@ -575,10 +578,6 @@ class StoreClient:
             raise ConnectionRefusedError(errno.ECONNREFUSED, os.strerror(errno.ECONNREFUSED))
         sock = socket.socket(family, kind, proto)
         sock.settimeout(timeout)
-        if self.source_ip:
-            # Not an address of this host: then the kernel picks one, as it does for PyTorch.
-            with contextlib.suppress(OSError):
-                sock.bind((self.source_ip, 0))
         try:
             sock.connect(address)
         except OSError:
