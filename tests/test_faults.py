@@ -649,11 +649,16 @@ def test_a_server_serving_another_model_is_not_ready(
         ("html_error", "answered but is not healthy: HTTP 502 and the body is an HTML page"),
         ("malformed_json", "answered but is not healthy: HTTP 200 and the body is not JSON"),
         (
+            "garbage",
+            "answered but is not healthy: the model repeats '!' 50 times in its reasoning: NaNs "
+            "in the weights or kernels",
+        ),
+        (
             "slow:60",
             f"did not answer: no reply from http://{bed_ip(FIRST_IP)}:30000/v1/chat/completions",
         ),
     ],
-    ids=["http-500", "html-error-page", "malformed-json", "stall-60s"],
+    ids=["http-500", "html-error-page", "malformed-json", "garbage", "stall-60s"],
 )
 def test_probe_gets_a_bad_answer(fault_bed: TestBed, row: Row, fault: str, expect: str) -> None:
     row.fault = f"probe: {fault.replace(':60', ' (a 60 s stall, probe timeout 3 s)')}"

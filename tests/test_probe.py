@@ -120,3 +120,46 @@ def test_truncated_json_is_unhealthy() -> None:
 def test_a_500_without_json_is_unhealthy_in_one_line() -> None:
     verdict = judge(500, "Internal Server Error\n\nTraceback ...")
     assert not verdict.healthy and "\n" not in verdict.detail
+
+
+# What a model with NaNs in its FP8 kernels answers: one token over and over (vllm#17154 GLM-4,
+# #13035 Llama-405B, #27364 Qwen3-VL on Jetson Thor), and answers that are healthy though short.
+@pytest.mark.parametrize(
+    ("message", "detail"),
+    [
+        ({"content": None, "reasoning": "!" * 50},
+         "the model repeats '!' 50 times in its reasoning"),
+        ({"content": "!!!!!!!!!!!!", "reasoning": THINKING},
+         "the model repeats '!' 12 times in its content"),
+        ({"content": None, "reasoning": " ".join(["the"] * 25)},
+         "the model repeats 'the' 25 times in its reasoning"),
+        ({"content": None, "reasoning": "<unk><unk><unk><unk><unk><unk><unk><unk><unk>"},
+         "the model repeats '<unk>' 9 times in its reasoning"),
+        ({"content": None, "reasoning": "?!. ,;: -- ... !?"},
+         "the model answers only punctuation and symbols in its reasoning"),
+    ],
+)  # fmt: skip
+def test_an_answer_that_loops_on_one_token_is_unhealthy(message: dict, detail: str) -> None:
+    verdict = judge(200, completion(message))
+    assert not verdict.healthy, verdict
+    assert (
+        verdict.detail
+        == f"{detail}: NaNs in the weights or kernels (FP8 on a new GPU is known for it)"
+    )
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"content": None, "reasoning": THINKING},
+        {"content": "4", "reasoning": None},
+        {"content": "OK", "reasoning": None},
+        {"content": "Hello! How can I help you today?", "reasoning": THINKING},
+        # The real vLLM 0.32.0 (CPU build) on the bed's tiny model, as it answered the probe.
+        {"content": None, "reasoning": "ordembedchretithgeforOM user embed from Thinking model"},
+        {"content": None, "reasoning": "Hmm... 2 + 2 = 4. 4! Yes, 4."},
+    ],
+)  # fmt: skip
+def test_short_and_plain_answers_stay_healthy(message: dict) -> None:
+    verdict = judge(200, completion(message))
+    assert verdict.healthy, verdict

@@ -3,11 +3,16 @@
 A reasoning model given a small budget spends it all thinking: ``content`` is null, the thinking
 is in ``reasoning`` (``reasoning_content`` on servers before 2026) and ``finish_reason`` is
 ``"length"``. That is a healthy server, not an empty answer.
+
+A broken one answers 200 too: NaNs in FP8 kernels make vLLM emit one token over and over
+("!!!!!!!!" in most tokenizers; vllm#17154, #13035, #27364 on a Blackwell part), so an answer
+whose text is one short unit repeated, or nothing but punctuation and symbols, is unhealthy.
 """
 
 from __future__ import annotations
 
 import json
+import unicodedata
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -16,6 +21,8 @@ import httpx
 from vllm_redeploy.safe_text import one_line
 
 DETAIL_CHARS = 200
+MIN_REPEATS = 8  # a unit this many times over is a loop, not an answer
+MAX_UNIT = 16  # characters: a token or two
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,10 @@ def judge(status_code: int, body: str, elapsed_s: float | None = None) -> ProbeV
         "status_code": status_code,
         "elapsed_s": elapsed_s,
     }
+    for field, text in (("content", content), ("reasoning", reasoning)):
+        if text and (why := garbage(text)):
+            detail = f"the model {why} in its {field}: NaNs in the weights or kernels"
+            return ProbeVerdict(False, f"{detail} (FP8 on a new GPU is known for it)", **found)
     if content:
         return ProbeVerdict(True, f"answered: {_excerpt(content, 80)}", **found)
     if reasoning:
@@ -83,6 +94,24 @@ def judge(status_code: int, body: str, elapsed_s: float | None = None) -> ProbeV
     return ProbeVerdict(
         False, f"empty answer: no content and no reasoning (finish_reason {finish!r})", **found
     )
+
+
+def garbage(text: str) -> str | None:
+    """Why ``text`` is what a broken model emits ("repeats '!' 50 times", "answers only
+    punctuation"), or None for an answer."""
+    flat = text.strip()
+    for size in range(1, MAX_UNIT + 1):
+        unit = flat[:size]
+        times, rest = divmod(len(flat), size)
+        if unit * times + unit[:rest] != flat:
+            continue
+        word = unit.strip()
+        if (count := flat.count(word)) >= MIN_REPEATS:
+            return f"repeats {_excerpt(word, MAX_UNIT)!r} {count} times"
+        break  # the shortest unit that tiles the text is the one that counts
+    if flat and not any(unicodedata.category(c)[0] in "LN" for c in flat):
+        return "answers only punctuation and symbols"
+    return None
 
 
 def run_probe(

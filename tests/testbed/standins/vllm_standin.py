@@ -36,7 +36,8 @@ Test-bed knobs (environment):
   ``VRD_RENDEZVOUS_TIMEOUT`` (shortens the mp rendezvous' 600 s), ``VRD_HANDSHAKE_TIMEOUT``
   (300 s: a headless node-rank 0 waiting for a front-end).
 - ``VRD_FAULT``: comma-separated ``name[:value]``: crash_during_load, exit_during_load:N, hang,
-  wrong_name:NAME, health_503, empty, slow:SECONDS, http_500, html_error, malformed_json,
+  wrong_name:NAME, health_503, empty, garbage (one token over and over), slow:SECONDS, http_500,
+  html_error, malformed_json,
   firewall:NODE_IP (an mp follower on that node cannot reach the leader: its packets are dropped).
 
 Only the standard library and Ray are imported (Ray lazily): this runs inside test containers.
@@ -78,6 +79,7 @@ KNOWN_FAULTS = (
     "wrong_name",
     "health_503",
     "empty",
+    "garbage",  # NaNs in the kernels: the model emits "!" for every token
     "slow",
     "http_500",
     "html_error",
@@ -1289,6 +1291,9 @@ def run_model(app: App, request: dict[str, Any]) -> Generation:
     if app.knobs.fault("empty"):
         return Generation("", "", "stop", 1)
     limit = request.get("max_completion_tokens") or request.get("max_tokens")
+    if app.knobs.fault("garbage"):  # token 0, "!" in most tokenizers, until the budget ends
+        tokens = int(limit or 16)
+        return Generation("!" * tokens, None, "length", tokens)
     kwargs = request.get("chat_template_kwargs") or {}
     thinking = bool(kwargs.get("enable_thinking", True))
     user = [m for m in request["messages"] if isinstance(m, dict) and m.get("role") == "user"]
