@@ -153,6 +153,13 @@ BAD = [
         MINIMAL + 'extra_args = ["--enable-reasoning"]\n',
         ["--enable-reasoning was removed", "reasoning_parser"],
     ),
+    (
+        "different interface counts (Gloo)",
+        MINIMAL.replace(
+            'name = "a"', 'name = "a"\nfabric_interfaces = ["enp1s0f1np1", "enP2p1s0f1np1"]'
+        ),
+        ["different numbers of fabric_interfaces (a 2, b 1;", "GLOO_SOCKET_IFNAME"],
+    ),
     ("bad toml", "[[nodes]\n", ["not valid TOML"]),
     (
         "wrong type",

@@ -10,6 +10,7 @@ import pytest
 from vllm_redeploy.config import ClusterConfig, load_config
 from vllm_redeploy.parsers.vllm_log import last_load_progress
 from vllm_redeploy.plan import (
+    NodeFabric,
     container_argv,
     engine_spec,
     launch_fingerprint,
@@ -34,6 +35,21 @@ def test_every_node_is_pinned_to_its_fabric_ip() -> None:
     assert "--address=192.168.200.12:6379" in w.command
     assert (h.env["VLLM_HOST_IP"], w.env["VLLM_HOST_IP"]) == ("192.168.200.12", "192.168.200.13")
     assert w.env["NCCL_SOCKET_IFNAME"] == "enp1s0f0np0" and w.env["NCCL_IB_HCA"] == "rocep1s0f0"
+
+
+def test_gloo_gets_one_interface_where_nccl_gets_the_twins() -> None:
+    """A Spark's twin interfaces are up on one node and down on another; Gloo needs the same
+    number in every process (or the ranks wait for each other for ever), NCCL takes both."""
+    config = example().model_copy(deep=True)
+    for node in config.nodes:
+        node.fabric_interfaces = []
+    head = config.nodes[0]
+    twins = NodeFabric(socket_ifnames=("enp1s0f1np1", "enP2p1s0f1np1"))
+    env = ray_spec(head, config, twins).env
+    assert env["NCCL_SOCKET_IFNAME"] == "enp1s0f1np1,enP2p1s0f1np1"
+    assert env["GLOO_SOCKET_IFNAME"] == "enp1s0f1np1"
+    alone = ray_spec(head, config, NodeFabric(socket_ifnames=("enp1s0f1np1",))).env
+    assert alone["GLOO_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"]
 
 
 def test_vllm_serve_has_the_runbook_flags() -> None:

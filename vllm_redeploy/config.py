@@ -106,7 +106,8 @@ class NodeConfig(_Section):
     fabric_interfaces: list[Interface] = Field(
         default_factory=list,
         description="Fabric interface names for NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, "
-        "TP_SOCKET_IFNAME and UCX_NET_DEVICES (a Spark has them in pairs).",
+        "TP_SOCKET_IFNAME and UCX_NET_DEVICES (a Spark has them in pairs). Every node must name "
+        "as many (Gloo's rule); default: the one the fabric IP is on (and its twins for NCCL).",
     )
     ib_hcas: list[Interface] = Field(
         default_factory=list, description="NCCL_IB_HCA devices, e.g. rocep1s0f0."
@@ -501,6 +502,15 @@ class ClusterConfig(BaseSettings):
                 f"vllm.tensor_parallel_size x vllm.pipeline_parallel_size = {self.vllm.world_size} "
                 f"needs more GPUs than the nodes have ({gpus}); "
                 "lower the parallel sizes or add nodes"
+            )
+        gloo = {n.name: len(n.fabric_interfaces) or 1 for n in self.nodes}
+        if len(set(gloo.values())) > 1:
+            counts = ", ".join(f"{name} {count}" for name, count in gloo.items())
+            problems.append(
+                f"the nodes name different numbers of fabric_interfaces ({counts}; a node that "
+                "names none uses the one its fabric IP is on): Gloo (GLOO_SOCKET_IFNAME) needs "
+                "the same number on every node or the ranks wait for each other for ever; name "
+                "as many on each node, or leave them out everywhere"
             )
         locals_ = [n.name for n in self.nodes if n.transport == "local"]
         if len(locals_) > 1:

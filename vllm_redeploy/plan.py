@@ -94,6 +94,9 @@ def node_env(
         del env["NCCL_DEBUG_SUBSYS"]
     if fabric.socket_ifnames:
         env |= dict.fromkeys(PER_NODE_VARS[:4], ",".join(fabric.socket_ifnames))
+        # Gloo wants the same number of interfaces in every process, and twins are up on one
+        # node and down on another: the fabric IP's own interface alone, as NVIDIA's playbook.
+        env["GLOO_SOCKET_IFNAME"] = fabric.socket_ifnames[0]
     if fabric.ib_hca:
         env["NCCL_IB_HCA"] = fabric.ib_hca
     env.update(config.vllm.env)
