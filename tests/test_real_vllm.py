@@ -129,6 +129,10 @@ def test_a_killed_leader_leaves_its_follower_up_and_ensure_replaces_both(
     assert follower.status == "running", follower.status
     problems = collect_status(load_config(path, env_file=None)).problems
     assert "the vLLM leader (rank 0) on node-1 is not running" in problems, problems
+    assert (
+        "the vLLM follower on node-2 still runs without its leader: it cannot join a new one; "
+        "the next run (or ensure) replaces the whole group" in problems
+    ), problems
 
     result = served(path)
     assert result["action"] == "redeployed" and result["probe"]["healthy"], result

@@ -20,9 +20,17 @@ from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import make_bed
 from tests.testbed.bed import SERVED_NAME, TestBed, bed_ip
 from vllm_redeploy.cli import app
-from vllm_redeploy.config import load_config
+from vllm_redeploy.config import NodeConfig, load_config
 from vllm_redeploy.nodes import NodeAccess
 from vllm_redeploy.plan import engine_container, ray_container
+from vllm_redeploy.plan_mp import follower_container
+from vllm_redeploy.status import (
+    ContainerStatus,
+    EndpointStatus,
+    NodeStatus,
+    RayStatus,
+    judge,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]  # a bed and a flow run
 CLI = Path(sys.executable).parent / "vllm-redeploy"
@@ -253,3 +261,28 @@ def latest_summary(api_url: str) -> str:
     )
     found.raise_for_status()
     return found.json()[0]["data"]
+
+
+def test_a_follower_without_its_leader_is_named() -> None:
+    """The real vLLM's followers outlive their leader (tests/test_real_vllm.py shows it); status
+    says so, from what runs (their backend label), and says nothing of it while the leader runs
+    or cannot be seen."""
+    config = load_config(Path(__file__).parents[1] / "cluster.example.toml", env_file=None)
+    head, worker = config.nodes
+
+    def node(n: NodeConfig, role: str, *running: str, reachable: bool = True) -> NodeStatus:
+        containers = [ContainerStatus(name, "", "running", True, backend="mp") for name in running]
+        return NodeStatus(n.name, n.address, n.ip, role, reachable, containers=containers)
+
+    follower = node(worker, "worker", follower_container(config))
+    endpoint = EndpointStatus("http://x/v1", "m", None, "refused", None, None, None)
+    orphaned = (
+        f"the vLLM follower on {worker.name} still runs without its leader: it cannot join a "
+        "new one; the next run (or ensure) replaces the whole group"
+    )
+    alone = judge(config, [node(head, "head"), follower], RayStatus(), endpoint)
+    assert orphaned in alone, alone
+    led = [node(head, "head", engine_container(config)), follower]
+    assert orphaned not in judge(config, led, RayStatus(), endpoint)
+    unseen = [node(head, "head", reachable=False), follower]
+    assert orphaned not in judge(config, unseen, RayStatus(), endpoint)

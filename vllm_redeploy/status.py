@@ -308,6 +308,8 @@ def judge(
                 f"the engine on {node.name} runs with other settings than the configuration's "
                 "(it changed since the launch)"
             )
+    if backend == "mp":
+        problems += _orphaned_followers(config, nodes)
     problems += ray.problems
     if endpoint.models is None:
         problems.append(f"{endpoint.url}/models does not answer: {endpoint.models_error}")
@@ -319,6 +321,22 @@ def judge(
     if endpoint.probe is not None and not endpoint.probe.healthy and endpoint.models is not None:
         problems.append(f"the probe failed: {endpoint.probe.detail}")
     return problems
+
+
+def _orphaned_followers(config: ClusterConfig, nodes: list[NodeStatus]) -> list[str]:
+    """mp: followers that run on without their leader. vLLM's followers do not exit when the
+    leader dies (vllm#32136) and cannot join a new one: left alone they hold their GPUs."""
+    leader, follower = engine_container(config), follower_container(config)
+    running = {(n.name, c.name) for n in nodes for c in n.containers if c.running}
+    head_seen = any(n.name == config.head.name and n.reachable and not n.error for n in nodes)
+    if not head_seen or (config.head.name, leader) in running:
+        return []
+    return [
+        f"the vLLM follower on {name} still runs without its leader: it cannot join a new one; "
+        "the next run (or ensure) replaces the whole group"
+        for name, container in sorted(running)
+        if container == follower
+    ]
 
 
 def running_backend(config: ClusterConfig, nodes: list[NodeStatus]) -> Backend:
