@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from deployments.cli import app
 from tests.testbed.dockerd import DockerEngine
 from tests.testbed.procs import free_port
 from tests.testbed.sshd import SSHServer
-from vllm_redeploy.cli import app
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from vllm_redeploy.cli import app
+from deployments.cli import app
 from vllm_redeploy.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -188,7 +188,7 @@ def test_missing_file_says_how_to_start(tmp_path: Path) -> None:
 def test_real_process_exit_code_and_no_traceback(tmp_path: Path) -> None:
     path = write(tmp_path, MINIMAL.replace('address = "10.0.0.1"', 'adress = "10.0.0.1"'))
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_redeploy", "check-config", "--config", str(path)],
+        [str(Path(sys.executable).parent / "vllm-redeploy"), "check-config", "--config", str(path)],
         capture_output=True,
         text=True,
         cwd=tmp_path,

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from deployments.cli import app
 from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import make_bed
 from tests.testbed import image
 from tests.testbed.bed import SERVED_NAME, TestBed, bed_ip
-from vllm_redeploy.cli import app
 from vllm_redeploy.config import load_config
 from vllm_redeploy.plan import engine_container, ray_container
 from vllm_redeploy.probe import run_probe

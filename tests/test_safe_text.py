@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from markdown_it import MarkdownIt
 from rich.console import Console
 
+from deployments.cli.status_view import print_status
 from tasks.ports_free import _owners
 from tasks.stop_autostart import StopReport
 from tests.fuzz import fuzz_settings
-from vllm_redeploy.cli import _print_status
 from vllm_redeploy.config import ConfigError, load_config
 from vllm_redeploy.gpus import inspect_gpus
 from vllm_redeploy.nodes import CommandFailed, CommandResult, NodeUnreachable, Runner
@@ -276,15 +276,9 @@ def nasty_status() -> ClusterStatus:
 def test_status_shows_foreign_values_without_escapes_or_markup() -> None:
     """Straight into the table renderer: the status collector already cleans what it reads, so
     this checks the last line of defence on its own."""
-    import vllm_redeploy.cli as cli
-
     buffer = io.StringIO()
-    saved = cli.out
-    cli.out = Console(file=buffer, width=200, force_terminal=True, color_system="truecolor")
-    try:
-        _print_status(nasty_status())
-    finally:
-        cli.out = saved
+    console = Console(file=buffer, width=200, force_terminal=True, color_system="truecolor")
+    print_status(nasty_status(), console=console)
     text = buffer.getvalue()
     visible = re.sub(r"\x1b\[[0-9;]*m", "", text)  # rich's own colours are fine
     assert "\x1b[2J" not in text and "\r" not in text

@@ -24,6 +24,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from deployments.cli import app
 from deployments.events import EVENT_REBOOTED, node_resource_id, reboot_event_id
 from deployments.install_controller import (
     AUTH_CLIENT,
@@ -41,7 +42,6 @@ from tests.testbed.bed import TestBed
 from tests.testbed.node import EmulatedNode
 from tests.testbed.procs import descendants, free_port, wait_until
 from tests.testbed.standins.units import parse_ini
-from vllm_redeploy.cli import app
 from vllm_redeploy.config import load_config
 from vllm_redeploy.nodes import Runner, runner_for
 

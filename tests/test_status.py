@@ -16,10 +16,10 @@ import pytest
 from markdown_it import MarkdownIt
 from typer.testing import CliRunner
 
+from deployments.cli import app
 from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import make_bed
 from tests.testbed.bed import SERVED_NAME, TestBed, bed_ip
-from vllm_redeploy.cli import app
 from vllm_redeploy.config import NodeConfig, load_config
 from vllm_redeploy.nodes import NodeAccess
 from vllm_redeploy.plan import engine_container, ray_container

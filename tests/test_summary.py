@@ -21,10 +21,10 @@ import pytest
 import yaml
 from rich.console import Console
 
+from deployments.cli.run_view import PlainSteps, StepView
 from tasks.stop_autostart import StopReport
 from tests.test_probe import THINKING, completion
 from tests.testbed.procs import free_port
-from vllm_redeploy.cli import PlainSteps, StepView
 from vllm_redeploy.gpus import GpuReport
 from vllm_redeploy.parsers.nvidia_smi import GPU_FIELDS, parse_compute_apps, parse_gpus
 from vllm_redeploy.parsers.vllm_log import LoadProgress

@@ -1,0 +1,90 @@
+"""What every command shares: the Typer app, the consoles, the options, and loading a
+configuration with a one-paragraph error (exit 2) instead of a traceback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from vllm_redeploy.config import (
+    ClusterConfig,
+    ConfigError,
+    load_clusters,
+    load_config,
+)
+from vllm_redeploy.safe_text import for_terminal, shown
+
+EXIT_CONFIG = 2  # bad input, like argparse and click
+
+
+EXIT_UNREACHABLE = 1
+
+
+app = typer.Typer(
+    help="Bring a multi-node vLLM server back by itself.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+# Piped output is not cut at 80 columns: it goes to logs and other programs.
+out = Console(width=None if Console().is_terminal else 200)
+
+
+err = Console(stderr=True, width=None if Console(stderr=True).is_terminal else 200)
+
+
+ConfigOption = Annotated[
+    Path,
+    typer.Option("--config", "-c", help="Cluster configuration (TOML).", show_default=True),
+]
+
+
+ConfigsOption = Annotated[
+    list[Path],
+    typer.Option(
+        "--config",
+        "-c",
+        help="A cluster's configuration (TOML); repeat for several (each with its own env file).",
+        show_default=True,
+    ),
+]
+
+
+CONFIGS_DEFAULT = [Path("cluster.toml")]
+
+
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def markup_safe(value: object) -> str:
+    """A foreign value inside our rich markup: no escape sequences, no markup of its own."""
+    return escape(for_terminal(value))
+
+
+def load_or_exit(path: Path) -> ClusterConfig:
+    return load_all_or_exit([path])[0]
+
+
+def load_all_or_exit(paths: list[Path]) -> list[ClusterConfig]:
+    try:
+        return load_clusters(paths) if len(paths) > 1 else [load_config(paths[0])]
+    except ConfigError as exc:
+        err.print(
+            f"[bold red]Configuration problem in {markup_safe(shown(exc.source))}[/]",
+            highlight=False,
+        )
+        for problem in exc.problems:
+            err.print(f"  - {for_terminal(problem)}", highlight=False, markup=False)
+        err.print(
+            "Fix the keys named above (see cluster.example.toml), then run "
+            "`vllm-redeploy check-config` again.",
+            highlight=False,
+        )
+        raise typer.Exit(EXIT_CONFIG) from None

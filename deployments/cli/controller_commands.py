@@ -1,0 +1,176 @@
+"""The controller's commands: serve and watch (kept up between runs), pause and resume, the
+reboot webhook, and installing the notifier and the controller's services.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from deployments.cli.common import (
+    CONFIGS_DEFAULT,
+    EXIT_CONFIG,
+    EXIT_UNREACHABLE,
+    ConfigOption,
+    ConfigsOption,
+    app,
+    err,
+    load_all_or_exit,
+    load_or_exit,
+    out,
+)
+from vllm_redeploy.nodes import RemoteError
+from vllm_redeploy.safe_text import for_terminal, shown
+
+
+@app.command()
+def serve(config: ConfigsOption = CONFIGS_DEFAULT) -> None:
+    """Serve the nightly, after-reboot, recover and manual deployments of each cluster (repeat
+    --config for several) from this process (no work pool)."""
+    clusters = load_all_or_exit(config)  # fail early, in plain words, on a bad configuration
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from deployments.definitions import serve_deployments
+
+    serve_deployments(list(zip(clusters, config, strict=True)))
+
+
+@app.command()
+def watch(config: ConfigsOption = CONFIGS_DEFAULT) -> None:
+    """Watch clusters between runs; tell Prefect (vllm.cluster.unhealthy) when one goes down."""
+    clusters = load_all_or_exit(config)
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per look is noise
+    from deployments.watcher import watch_clusters
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        watch_clusters(clusters, stop)
+    except KeyboardInterrupt:
+        stop.set()
+
+
+@app.command()
+def pause(
+    reason: Annotated[str, typer.Option("--reason", help="Why, for whoever looks (required).")],
+    for_: Annotated[
+        str | None,
+        typer.Option("--for", help="For how long, e.g. 2h, 30m, 90s (default: until resume)."),
+    ] = None,
+    config: ConfigOption = Path("cluster.toml"),
+) -> None:
+    """Maintenance: nothing automatic touches the cluster (watcher, recover, reboot, nightly)."""
+    cluster = load_or_exit(config)
+    seconds = _duration_s(for_) if for_ else None
+    from deployments.cluster_state import pause as pause_cluster
+
+    paused = pause_cluster(cluster.name, reason, seconds)
+    out.print(f"{cluster.name}: {for_terminal(paused.describe())}", markup=False, highlight=False)
+
+
+@app.command()
+def resume(config: ConfigOption = Path("cluster.toml")) -> None:
+    """End a pause and a crash-loop mark: automatic runs may touch the cluster again."""
+    cluster = load_or_exit(config)
+    from deployments.cluster_state import resume as resume_cluster
+
+    cleared = resume_cluster(cluster.name)
+    what = " and ".join(cleared) or "nothing (it was neither paused nor crash-looping)"
+    out.print(f"{cluster.name}: cleared {what}", markup=False, highlight=False)
+
+
+def _duration_s(text: str) -> float:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
+    if match is None:
+        err.print(
+            f"--for {shown(text)}: give a number with s, m, h or d, e.g. 2h or 30m", markup=False
+        )
+        raise typer.Exit(EXIT_CONFIG)
+    return float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match[2]]
+
+
+@app.command()
+def webhook(
+    config: ConfigsOption = CONFIGS_DEFAULT,
+    host: Annotated[str | None, typer.Option(help="Bind address (default webhook.host)")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default webhook.port)")] = None,
+) -> None:
+    """Run the reboot webhook: signed calls from the nodes become Prefect events. With several
+    --config, one webhook serves each cluster at /clusters/NAME/reboot with its own secret."""
+    clusters = load_all_or_exit(config)
+    from deployments.webhook import serve_webhook
+
+    try:
+        serve_webhook(clusters, host, port)
+    except ValueError as exc:
+        err.print(for_terminal(exc), markup=False, highlight=False)
+        raise typer.Exit(EXIT_CONFIG) from None
+
+
+@app.command("install-notifier")
+def install_notifier_command(
+    node: Annotated[str, typer.Argument(help="Node name from the configuration")],
+    config: ConfigOption = Path("cluster.toml"),
+    prefix: Annotated[str, typer.Option(help="Install below this root (test beds)")] = "/",
+) -> None:
+    """Install the reboot notifier on NODE over SSH (idempotent); prints what changed."""
+    cluster = load_or_exit(config)
+    from deployments.install_notifier import install_notifier
+
+    try:
+        for line in install_notifier(cluster, node, prefix):
+            out.print(for_terminal(line), markup=False, highlight=False)
+    except ValueError as exc:
+        err.print(for_terminal(exc), markup=False, highlight=False)
+        raise typer.Exit(EXIT_CONFIG) from None
+    except RemoteError as exc:
+        err.print(for_terminal(exc), markup=False, highlight=False)
+        raise typer.Exit(EXIT_UNREACHABLE) from None
+
+
+@app.command("install-controller")
+def install_controller_command(
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", "-c", help="Install as /etc/vllm-redeploy/<cluster>.toml"),
+    ] = None,
+    cluster: Annotated[
+        str | None, typer.Option(help="Cluster name (default: the configuration's name)")
+    ] = None,
+    prefix: Annotated[str, typer.Option(help="Install below this root (images, chroots)")] = "/",
+    bin_dir: Annotated[
+        str | None, typer.Option(help="Where the units find vllm-redeploy and prefect")
+    ] = None,
+    enable: Annotated[bool, typer.Option("--enable", help="daemon-reload and enable")] = False,
+) -> None:
+    """Install the controller's systemd units (Prefect server; serve, webhook and watch of a
+    cluster), their user and settings (idempotent); prints what changed."""
+    if config is not None:
+        name = load_or_exit(config).name
+        if cluster not in (None, name):
+            err.print(f"--cluster {shown(cluster)} but {config} names {shown(name)}", markup=False)
+            raise typer.Exit(EXIT_CONFIG)
+        cluster = name
+    from deployments.install_controller import InstallError, install_controller
+
+    try:
+        lines = install_controller(
+            prefix, cluster=cluster, config_file=config, bin_dir=bin_dir, enable=enable
+        )
+    except (ValueError, InstallError) as exc:
+        err.print(for_terminal(exc), markup=False, highlight=False)
+        raise typer.Exit(EXIT_CONFIG if isinstance(exc, ValueError) else 1) from None
+    except OSError as exc:  # a file it writes: read-only, no space, ...
+        where = f"{exc.filename}: " if exc.filename else ""
+        err.print(f"install-controller: {where}{for_terminal(exc.strerror or exc)}", markup=False)
+        raise typer.Exit(1) from None
+    for line in lines:
+        out.print(for_terminal(line), markup=False, highlight=False)

@@ -1,0 +1,248 @@
+"""`vllm-redeploy run`: the flow once, with a live view of its steps in a terminal (one plain
+line per step when piped) and its summary at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.columns import Columns
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.markdown import Markdown
+from rich.progress_bar import ProgressBar
+from rich.spinner import Spinner
+from rich.table import Table
+from rich.text import Text
+
+from deployments.cli.common import (
+    EXIT_CONFIG,
+    EXIT_UNREACHABLE,
+    ConfigOption,
+    app,
+    err,
+    load_or_exit,
+    out,
+)
+from vllm_redeploy.nodes import RemoteError
+from vllm_redeploy.parsers.vllm_log import LoadProgress
+from vllm_redeploy.safe_text import for_terminal
+from vllm_redeploy.summary import StepEvent, listening
+
+
+@app.command("run")
+def run_command(
+    config: ConfigOption = Path("cluster.toml"),
+    mode: Annotated[
+        str, typer.Option(help="redeploy, or ensure: only if not healthy")
+    ] = "redeploy",
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the plan, change nothing.")
+    ] = False,
+    keep_on_failure: Annotated[
+        bool, typer.Option("--keep-on-failure", help="Leave a failed group running to debug it.")
+    ] = False,
+) -> None:
+    """Run the redeploy flow once (a temporary Prefect API unless PREFECT_API_URL is set)."""
+    if mode not in ("redeploy", "ensure"):
+        err.print(f"--mode must be redeploy or ensure, not {mode!r}", highlight=False)
+        raise typer.Exit(EXIT_CONFIG)
+    cluster = load_or_exit(config)
+    if dry_run:
+        from vllm_redeploy.dry_run import plan_lines
+
+        for line in plan_lines(cluster):
+            out.print(for_terminal(line), highlight=False, markup=False, soft_wrap=True)
+        return
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")  # Prefect's client telemetry (3.9), separately
+    from flows.redeploy import redeploy_vllm_cluster
+    from tasks.context import StepFailed
+
+    # In a terminal a live view of the steps; piped, one plain line per step.
+    view = StepView(f"{cluster.name}: {mode}") if out.is_terminal else None
+    try:
+        with _showing(view), listening(view or PlainSteps(out)):
+            result = redeploy_vllm_cluster(str(config), mode, keep_on_failure)  # type: ignore[arg-type]
+    except StepFailed as exc:
+        err.print(f"[bold red]failed at {exc.step}[/]: ", end="", highlight=False)
+        err.print(for_terminal(exc.reason), markup=False, highlight=False)
+        raise typer.Exit(EXIT_UNREACHABLE) from None
+    except RemoteError as exc:
+        err.print("[bold red]failed[/]: ", end="", highlight=False)
+        err.print(for_terminal(exc), markup=False, highlight=False)
+        raise typer.Exit(EXIT_UNREACHABLE) from None
+    markdown = for_terminal(result.get("summary") or f"# {result['cluster']}: {result['action']}\n")
+    if view is not None:
+        out.print(Markdown(markdown))
+    else:
+        out.print(markdown, markup=False, highlight=False, soft_wrap=True, end="")
+
+
+@contextlib.contextmanager
+def _showing(view: StepView | None) -> Iterator[None]:
+    """Draw ``view`` live (if any); Prefect's console log shows warnings above it."""
+    if view is None:
+        with _prefect_console(None):
+            yield
+        return
+    # Success: the summary repeats the steps, so the live rows go. Failure: they stay.
+    with (
+        Live(view, console=out, refresh_per_second=8, transient=True) as display,
+        _prefect_console(out),
+    ):
+        try:
+            yield
+        except BaseException:
+            display.transient = False
+            raise
+
+
+@contextlib.contextmanager
+def _prefect_console(live: Console | None) -> Iterator[None]:
+    """What Prefect's console handler prints while a run goes: plain text (no markup, no escape
+    sequences) and no tracebacks (the failure is printed once, at the end, in words; the
+    traceback stays in the Prefect API's log, in the UI). With a live view (``live``), it prints
+    through that console, above the view, and only warnings: the view replaces its INFO lines."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    loggers = [logging.getLogger(), *map(logging.getLogger, logging.root.manager.loggerDict)]
+    handlers = {
+        id(h): h for lg in loggers for h in lg.handlers if isinstance(h, PrefectConsoleHandler)
+    }.values()
+    quiet = _WarningsOnly()
+    saved = [(h, h.console, h.formatter) for h in handlers]
+    for handler in handlers:
+        handler.console = _PlainPrinter(live or handler.console)  # type: ignore[assignment]
+        handler.setFormatter(_WithoutTraceback(handler.formatter or logging.Formatter()))
+        if live is not None:
+            handler.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for handler, console, formatter in saved:
+            handler.console = console
+            handler.setFormatter(formatter)  # type: ignore[arg-type]
+            handler.removeFilter(quiet)
+
+
+class _WithoutTraceback(logging.Formatter):
+    """Formats a record as ``inner`` does, leaving its traceback out (for this handler only:
+    the record itself is given back unchanged to the handlers after it)."""
+
+    def __init__(self, inner: logging.Formatter) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info = record.exc_text = record.stack_info = None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
+
+
+class _PlainPrinter:
+    """What Prefect's handler prints through: a log line is text, never rich markup."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        safe = [for_terminal(o) if isinstance(o, str) else o for o in objects]
+        self.console.print(*safe, markup=False, highlight=False, soft_wrap=True)
+
+
+class _WarningsOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return logging.WARNING <= record.levelno < logging.ERROR
+
+
+class StepView:
+    """The live view of a run: one row per step as it starts (a spinner, then a check mark or a
+    cross), its elapsed time, and a bar while the weights load."""
+
+    def __init__(self, title: str) -> None:
+        self.title = title
+        self._start = _StepRow("starting the flow run")  # until the first step begins
+        self._rows: dict[str, _StepRow] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, event: StepEvent) -> None:
+        with self._lock:
+            row = self._rows.get(event.step)
+            if row is None or event.state == "running":
+                row = self._rows[event.step] = _StepRow(event.step)
+            if event.state in ("done", "failed"):
+                row.state = event.state
+                row.seconds = (
+                    event.seconds if event.seconds is not None else time.monotonic() - row.started
+                )
+            elif event.state == "loading" and event.load is not None:
+                row.load = event.load
+
+    def __rich__(self) -> RenderableType:
+        grid = Table.grid(padding=(0, 2))
+        for _ in range(4):
+            grid.add_column()
+        with self._lock:
+            rows = list(self._rows.values()) or [self._start]
+        now = time.monotonic()
+        for row in rows:
+            if row.state == "running":
+                glyph: RenderableType = row.spinner
+                seconds = now - row.started
+            else:
+                glyph = Text("✓", "green") if row.state == "done" else Text("✗", "bold red")
+                seconds = row.seconds or 0.0
+            load: RenderableType = ""
+            if row.load is not None:
+                bar = ProgressBar(total=100, completed=row.load.percent, width=30)
+                shards = f" {row.load.done}/{row.load.total} shards" if row.load.total else ""
+                load = Columns([bar, Text(f"{row.load.percent:3d}%{shards}")])
+            grid.add_row(glyph, Text(row.step, "bold"), Text(_clock(seconds), "cyan"), load)
+        return Group(Text(self.title, "bold"), grid)
+
+
+@dataclass
+class _StepRow:
+    step: str
+    started: float = field(default_factory=time.monotonic)
+    state: str = "running"
+    seconds: float | None = None
+    load: LoadProgress | None = None
+    spinner: Spinner = field(default_factory=lambda: Spinner("dots", style="yellow"))
+
+
+class PlainSteps:
+    """Piped output: one plain line per step as it ends."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+
+    def __call__(self, event: StepEvent) -> None:
+        if event.state == "done":
+            line = f"{event.step}: done in {event.seconds or 0:.1f} s"
+        elif event.state == "failed":
+            after = f" after {event.seconds:.1f} s" if event.seconds is not None else ""
+            line = f"{event.step}: failed{after}"
+        else:
+            return
+        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _clock(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:5.1f} s"
+    minutes, rest = divmod(int(seconds), 60)
+    return f"{minutes:2d}:{rest:02d}  "

@@ -1,0 +1,164 @@
+"""`vllm-redeploy status`: the deployment now, as a table in a terminal and plain text when
+piped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from deployments.cli.common import (
+    CONFIGS_DEFAULT,
+    EXIT_UNREACHABLE,
+    ConfigsOption,
+    JsonOption,
+    app,
+    load_all_or_exit,
+    markup_safe,
+    out,
+)
+from vllm_redeploy.plan import RayMember
+from vllm_redeploy.safe_text import for_terminal, one_line
+from vllm_redeploy.status import ClusterStatus, GpuStatus, NodeStatus, collect_status, duration
+
+
+@app.command()
+def status(config: ConfigsOption = CONFIGS_DEFAULT, as_json: JsonOption = False) -> None:
+    """The deployment now: nodes, containers, GPUs, Ray, endpoint, probe; one screen per
+    cluster (repeat --config). Exit 0 iff every cluster is healthy."""
+    clusters = load_all_or_exit(config)
+    with ThreadPoolExecutor(max_workers=2 * len(clusters)) as pool:
+        standings = [pool.submit(_standing, c.name) for c in clusters]
+        reports = list(pool.map(collect_status, clusters))
+        held = [s.result() for s in standings]
+    if as_json:
+        found = [{**r.as_dict(), "standing": h} for r, h in zip(reports, held, strict=True)]
+        out.print_json(json.dumps(found[0] if len(found) == 1 else found))
+    else:
+        for i, (report, standing) in enumerate(zip(reports, held, strict=True)):
+            if i:
+                out.rule(style="dim")
+            print_status(report, standing)
+    if not all(r.healthy for r in reports):
+        raise typer.Exit(EXIT_UNREACHABLE)
+
+
+def _standing(cluster: str) -> str | None:
+    """Paused or crash-looping (kept in Prefect), when a Prefect API is configured to ask."""
+    if not os.environ.get("PREFECT_API_URL"):
+        return None
+    from deployments.cluster_state import read_standing
+
+    try:
+        return read_standing(cluster).headline()
+    except Exception as exc:  # status must work while Prefect is down
+        return f"unknown (Prefect did not answer: {one_line(exc)[:200]})"
+
+
+def print_status(
+    report: ClusterStatus, standing: str | None = None, console: Console = out
+) -> None:
+    """Colours and tables in a terminal; the same text without escape codes when piped."""
+    verdict = "[bold green]healthy[/]" if report.healthy else "[bold red]not healthy[/]"
+    console.print(f"[bold]cluster {markup_safe(report.cluster)}[/]: {verdict}", highlight=False)
+    if standing:
+        console.print(f"[bold yellow]{markup_safe(standing)}[/]", highlight=False)
+    members = {m.ip: m for m in report.ray.members}
+    table = Table(show_edge=False, show_lines=True)
+    for column in ("node", "reachable", "our containers", "GPU", "Ray"):
+        table.add_column(column, overflow="fold")
+    for node in report.nodes:
+        table.add_row(
+            f"[bold]{markup_safe(node.name)}[/] {node.role}\n{markup_safe(node.address)}",
+            f"[green]yes[/] {node.rtt_ms:.1f} ms"
+            if node.reachable
+            else f"[red]no[/]: {markup_safe(node.error or '')}",
+            _containers_cell(node),
+            _gpu_cell(node.gpu),
+            _ray_cell(node, members, bool(report.ray.members)),
+        )
+    console.print(table, highlight=False)
+    console.print()
+    e, engine = report.endpoint, report.engine
+    if report.endpoint_serves:
+        model = f"[green]{markup_safe(e.served_name)}[/] (/v1/models)"
+    else:
+        listed = ", ".join(e.models or []) or e.models_error or "nothing"
+        model = f"[red]{markup_safe(e.served_name)} is not served[/] ({markup_safe(listed)})"
+    probe = "[green]healthy[/]" if e.probe.healthy else "[red]unhealthy[/]"
+    rows = [
+        ("endpoint", markup_safe(e.url)),
+        ("backend", markup_safe(report.backend or "-")),
+        ("transport", _transport_cell(report)),
+        ("model", model),
+        ("health", "[green]200[/]" if e.health == 200 else f"[red]{e.health or 'no answer'}[/]"),
+        ("vLLM", markup_safe(e.version or "-")),
+        ("probe", f"{probe}: {markup_safe(e.probe.detail)}"),
+        (
+            "engine",
+            f"[green]running[/], up {duration(engine.uptime_s)}"
+            if engine is not None and engine.running
+            else "[red]not running[/]",
+        ),
+    ]
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column(overflow="fold")
+    for label, value in rows:
+        grid.add_row(label, value)
+    console.print(grid, highlight=False)
+    if report.problems:
+        console.print()
+        console.print("[bold red]problems[/]")
+        for problem in report.problems:
+            console.print(f"  - {for_terminal(problem)}", markup=False, highlight=False)
+
+
+def _transport_cell(report: ClusterStatus) -> str:
+    if report.transport is None:
+        return "-"
+    colour = "green" if report.transport.transport == "rdma" else "yellow"
+    nodes = "; ".join(n.phrase() for n in report.transport.nodes)
+    return f"[{colour}]{report.transport.transport}[/] ({markup_safe(nodes)})"
+
+
+def _containers_cell(node: NodeStatus) -> str:
+    if not node.reachable:
+        return "-"
+    if node.error:
+        return f"[red]{markup_safe(node.error)}[/]"
+    lines = []
+    for c in node.containers:
+        if c.running:
+            lines.append(f"{markup_safe(c.name)} [green]running[/] {duration(c.uptime_s)}")
+        else:
+            code = f" (exit {c.exit_code})" if c.exit_code is not None else ""
+            lines.append(f"{markup_safe(c.name)} [red]{markup_safe(c.status)}{code}[/]")
+    return "\n".join(lines) or "[yellow]none[/]"
+
+
+def _gpu_cell(gpu: GpuStatus | None) -> str:
+    if gpu is None:
+        return "-"
+    if gpu.clear:
+        return "[green]clear[/]"
+    if gpu.holders:
+        return "\n".join(
+            f"[yellow]held[/] by PID {h.pid} {markup_safe(h.name)}"
+            + (f", {h.memory_mib} MiB" if h.memory_mib is not None else "")
+            for h in gpu.holders
+        )
+    return "[yellow]" + markup_safe("; ".join(gpu.problems)) + "[/]"
+
+
+def _ray_cell(node: NodeStatus, members: dict[str, RayMember], known: bool) -> str:
+    member = members.get(node.ip)
+    if member is None:
+        return "[red]not a member[/]" if known else "-"
+    state = "[green]alive[/]" if member.alive else "[red]dead[/]"
+    return f"{state} at {member.ip}, {member.gpus:g} GPU"

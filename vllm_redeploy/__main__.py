@@ -1,3 +1,0 @@
-from vllm_redeploy.cli import main
-
-main()
