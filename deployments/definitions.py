@@ -17,13 +17,14 @@ from prefect.schedules import Cron
 
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.events import EVENT_UNHEALTHY, LABEL_CLUSTER
+from vllm_redeploy.names import deployment_name
 
 REBOOT_EVENT = "vllm.node.rebooted"
 NIGHTLY_CRON = "0 4 * * *"
 NIGHTLY_TIMEZONE = "UTC"  # explicit: the schedule must not move with the controller's locale
 # One run at a time per deployment; a run that arrives meanwhile waits (a recovery run must never
 # be dropped, which CANCEL_NEW would do). Runs of different deployments of one cluster take
-# turns through the cluster's own lock (tasks/cluster_lock.py), whatever process runs them.
+# turns through the cluster's own lock (tasks/standing/lock.py), whatever process runs them.
 ONE_AT_A_TIME = ConcurrencyLimitConfig(limit=1, collision_strategy="ENQUEUE")
 
 
@@ -63,7 +64,7 @@ def deployment_specs(config: ClusterConfig, config_path: Path) -> list[dict[str,
     tags = ["vllm-redeploy", f"cluster:{config.name}"]
     return [
         {
-            "name": f"{config.name}-nightly",
+            "name": deployment_name(config.name, "nightly"),
             "description": "Every night: a full redeploy, so the cluster starts the day fresh.",
             "schedules": [Cron(NIGHTLY_CRON, timezone=NIGHTLY_TIMEZONE, slug="nightly")],
             "parameters": {**params, "mode": "redeploy", "trigger": "nightly"},
@@ -71,7 +72,7 @@ def deployment_specs(config: ClusterConfig, config_path: Path) -> list[dict[str,
             "concurrency_limit": ONE_AT_A_TIME,
         },
         {
-            "name": f"{config.name}-after-reboot",
+            "name": deployment_name(config.name, "after-reboot"),
             "description": "After a node reboots: bring the model back if it is not healthy.",
             "triggers": [reboot_trigger(config)],
             "parameters": {**params, "mode": "ensure", "trigger": "after-reboot"},
@@ -79,7 +80,7 @@ def deployment_specs(config: ClusterConfig, config_path: Path) -> list[dict[str,
             "concurrency_limit": ONE_AT_A_TIME,
         },
         {
-            "name": f"{config.name}-recover",
+            "name": deployment_name(config.name, "recover"),
             "description": "When the watcher finds the cluster unhealthy: bring it back, paced, "
             "and stop when it crash-loops.",
             "triggers": [unhealthy_trigger(config)],
@@ -88,7 +89,7 @@ def deployment_specs(config: ClusterConfig, config_path: Path) -> list[dict[str,
             "concurrency_limit": ONE_AT_A_TIME,
         },
         {
-            "name": f"{config.name}-manual",
+            "name": deployment_name(config.name, "manual"),
             "description": "From the UI: pick the mode (ensure or redeploy) and run; "
             "override_pause runs even while the cluster is paused.",
             "parameters": {**params, "mode": "ensure", "trigger": "manual"},
@@ -111,7 +112,7 @@ def serve_deployments(clusters: list[tuple[ClusterConfig, Path]]) -> None:
 
     from deployments.zombies import enable_heartbeats, ensure_zombie_automation
     from flows.redeploy import redeploy_vllm_cluster
-    from tasks.cluster_lock import ensure_cluster_lock
+    from tasks.standing.lock import ensure_cluster_lock
 
     enable_heartbeats()
     ensure_zombie_automation()

@@ -32,9 +32,9 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import StateType
 from prefect.exceptions import ObjectNotFound
 
-from deployments.cluster_state import read_standing
 from deployments.events import EventSender
-from tasks.guard import declare_crashloop, pace, read_recover_runs
+from tasks.standing.marks import read_standing
+from tasks.standing.recoveries import declare_crashloop, pace, read_recover_runs
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.events import unhealthy_event
 from vllm_redeploy.names import lock_name

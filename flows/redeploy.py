@@ -31,13 +31,11 @@ from prefect.events import emit_event
 from prefect.futures import wait
 from prefect.states import Completed, State
 
-from deployments.cluster_state import clear_crashloop
 from tasks.cluster_check import check_ray_cluster
-from tasks.cluster_lock import cluster_lock
 from tasks.context import Run, StepFailed, log
 from tasks.diagnostics import collect_diagnostics
 from tasks.gpus_clear import wait_gpus_clear
-from tasks.guard import SKIPPED, UNCHANGED, Trigger, guard_run
+from tasks.guard import Trigger, guard_run
 from tasks.inspect_deployment import inspect_deployment
 from tasks.launch_followers import launch_follower
 from tasks.launch_leader import launch_leader
@@ -47,6 +45,9 @@ from tasks.ports_free import wait_ports_free
 from tasks.preflight import judge_preflight, preflight_node
 from tasks.probe import probe_model
 from tasks.ray_start import join_worker, start_ray_head
+from tasks.standing.lock import cluster_lock
+from tasks.standing.marks import clear_crashloop
+from tasks.standing.recoveries import SKIPPED, UNCHANGED
 from tasks.stop_autostart import stop_autostart
 from tasks.teardown import teardown_group
 from tasks.transport import half_bandwidth, prove_transport

@@ -35,6 +35,36 @@ def test_the_core_imports_no_prefect_flows_tasks_or_deployments() -> None:
     assert offenders("vllm_redeploy", ("prefect", "flows", "tasks", "deployments")) == {}
 
 
+# The floors, lowest first: each may import those below it, never those above.
+FLOORS = [
+    ("core", lambda m: m.startswith("vllm_redeploy")),
+    ("standing", lambda m: m.startswith(("tasks.standing", "tasks.context"))),
+    ("steps", lambda m: m == "tasks" or m.startswith("tasks.")),
+    ("flows", lambda m: m == "flows" or m.startswith("flows.")),
+    ("deployments", lambda m: m.startswith("deployments") and not m.startswith("deployments.cli")),
+    ("command line", lambda m: m.startswith("deployments.cli")),
+]
+
+
+def floor(module: str) -> int | None:
+    return next((i for i, (_, is_on) in enumerate(FLOORS) if is_on(module)), None)
+
+
+def test_no_import_runs_upward() -> None:
+    upward = []
+    for package in ("vllm_redeploy", "tasks", "flows", "deployments"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            here = floor(module.removesuffix(".__init__"))
+            for name in imports_of(path):
+                there = floor(name)
+                if here is not None and there is not None and there > here:
+                    upward.append(
+                        f"{module} ({FLOORS[here][0]}) imports {name} ({FLOORS[there][0]})"
+                    )
+    assert upward == []
+
+
 @pytest.mark.parametrize("package", ["vllm_redeploy", "tasks", "flows", "deployments"])
 def test_the_checker_sees_every_module(package: str) -> None:
     """A check that found no file would pass for ever."""

@@ -33,6 +33,12 @@ def variable_name(cluster: str, what: str) -> str:
     return f"vllm_redeploy__{_slug(cluster, 'a-z0-9', '_')}__{what}"
 
 
+def deployment_name(cluster: str, trigger: str) -> str:
+    """The Prefect deployment that runs ``cluster``'s redeploy for ``trigger`` (nightly,
+    after-reboot, recover, manual): ``bed-recover``."""
+    return f"{cluster}-{trigger}"
+
+
 def lock_name(cluster: str) -> str:
     """The global concurrency limit that lets one run at a time touch ``cluster``."""
     return f"{PROJECT}-cluster-{cluster}"

@@ -70,7 +70,7 @@ def pause(
     """Maintenance: nothing automatic touches the cluster (watcher, recover, reboot, nightly)."""
     cluster = load_or_exit(config)
     seconds = _duration_s(for_) if for_ else None
-    from deployments.cluster_state import pause as pause_cluster
+    from tasks.standing.marks import pause as pause_cluster
 
     paused = pause_cluster(cluster.name, reason, seconds)
     out.print(f"{cluster.name}: {for_terminal(paused.describe())}", markup=False, highlight=False)
@@ -80,7 +80,7 @@ def pause(
 def resume(config: ConfigOption = Path("cluster.toml")) -> None:
     """End a pause and a crash-loop mark: automatic runs may touch the cluster again."""
     cluster = load_or_exit(config)
-    from deployments.cluster_state import resume as resume_cluster
+    from tasks.standing.marks import resume as resume_cluster
 
     cleared = resume_cluster(cluster.name)
     what = " and ".join(cleared) or "nothing (it was neither paused nor crash-looping)"

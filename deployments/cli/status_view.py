@@ -52,7 +52,7 @@ def _standing(cluster: str) -> str | None:
     """Paused or crash-looping (kept in Prefect), when a Prefect API is configured to ask."""
     if not os.environ.get("PREFECT_API_URL"):
         return None
-    from deployments.cluster_state import read_standing
+    from tasks.standing.marks import read_standing
 
     try:
         return read_standing(cluster).headline()
