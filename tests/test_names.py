@@ -14,11 +14,11 @@ from prefect.server.schemas.actions import (
 )
 
 from tests.fuzz import fuzz_settings
-from vllm_redeploy.config import _NAME
+from vllm_redeploy.config.fields import NAME_PATTERN
 from vllm_redeploy.events import cluster_resource, failed_event
 from vllm_redeploy.names import artifact_key, container_name, lock_name, variable_name
 
-cluster_names = st.from_regex(_NAME, fullmatch=True).filter(lambda n: len(n) <= 60)
+cluster_names = st.from_regex(NAME_PATTERN, fullmatch=True).filter(lambda n: len(n) <= 60)
 DOCKER_NAME = r"[a-zA-Z0-9][a-zA-Z0-9_.-]+"
 
 

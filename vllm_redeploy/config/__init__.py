@@ -1,0 +1,51 @@
+"""The cluster configuration (see ``loading`` for where values come from): one module per
+concern. ``fields`` the value shapes, ``nodes``, ``launch`` and ``runs`` the sections, ``cluster``
+the whole and its rules, ``errors`` the wording, ``loading`` the sources."""
+
+from vllm_redeploy.config.cluster import ClusterConfig, describe
+from vllm_redeploy.config.errors import ConfigError
+from vllm_redeploy.config.fields import DEFAULT_CONFIG, ENV_PREFIX, REMOVED_FLAGS, Seconds
+from vllm_redeploy.config.launch import FabricConfig, MemoryConfig, RayConfig, VLLMConfig
+from vllm_redeploy.config.loading import (
+    cluster_env_file,
+    environ_overrides,
+    load_clusters,
+    load_config,
+)
+from vllm_redeploy.config.nodes import NodeConfig, SSHConfig
+from vllm_redeploy.config.runs import (
+    AutostartConfig,
+    DeadlinesConfig,
+    LockConfig,
+    ProbeConfig,
+    SecretsConfig,
+    WatchConfig,
+    WebhookConfig,
+)
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "ENV_PREFIX",
+    "REMOVED_FLAGS",
+    "AutostartConfig",
+    "ClusterConfig",
+    "ConfigError",
+    "DeadlinesConfig",
+    "FabricConfig",
+    "LockConfig",
+    "MemoryConfig",
+    "NodeConfig",
+    "ProbeConfig",
+    "RayConfig",
+    "SSHConfig",
+    "Seconds",
+    "SecretsConfig",
+    "VLLMConfig",
+    "WatchConfig",
+    "WebhookConfig",
+    "cluster_env_file",
+    "describe",
+    "environ_overrides",
+    "load_clusters",
+    "load_config",
+]

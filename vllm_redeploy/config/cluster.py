@@ -1,0 +1,139 @@
+"""One cluster: its sections, the rules between them, and its description with secrets masked."""
+
+from __future__ import annotations
+
+from typing import Any, Self
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from vllm_redeploy.config.fields import ENV_PREFIX, Name
+from vllm_redeploy.config.launch import FabricConfig, MemoryConfig, RayConfig, VLLMConfig
+from vllm_redeploy.config.nodes import NodeConfig, SSHConfig
+from vllm_redeploy.config.runs import (
+    AutostartConfig,
+    DeadlinesConfig,
+    LockConfig,
+    ProbeConfig,
+    SecretsConfig,
+    WatchConfig,
+    WebhookConfig,
+)
+
+
+class ClusterConfig(BaseSettings):
+    """One cluster: its nodes, the vLLM launch, what to stop first, deadlines, the probe."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        env_file=".env",
+        # Env files may hold other programs' variables (PREFECT_API_AUTH_STRING, for a unit's
+        # EnvironmentFile): only VLLM_REDEPLOY_ ones are ours, and a misspelt one of ours is
+        # still an error.
+        dotenv_filtering="match_prefix",
+        env_ignore_empty=True,
+        extra="forbid",
+    )
+
+    name: Name = Field("default", description="Cluster name; labels this project's containers.")
+    nodes: list[NodeConfig] = Field(
+        min_length=1, description="The nodes; the first is the head unless one says head = true."
+    )
+    ssh: SSHConfig = Field(default_factory=SSHConfig)
+    vllm: VLLMConfig
+    ray: RayConfig = Field(default_factory=RayConfig)
+    fabric: FabricConfig = Field(default_factory=FabricConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    autostart: AutostartConfig = Field(default_factory=AutostartConfig)
+    deadlines: DeadlinesConfig = Field(default_factory=DeadlinesConfig)
+    lock: LockConfig = Field(default_factory=LockConfig)
+    watch: WatchConfig = Field(default_factory=WatchConfig)
+    probe: ProbeConfig = Field(default_factory=ProbeConfig)
+    webhook: WebhookConfig = Field(default_factory=WebhookConfig)
+    secrets: SecretsConfig = Field(default_factory=SecretsConfig)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # First wins: environment, then .env, then the TOML file (passed as init values).
+        return (env_settings, dotenv_settings, init_settings)
+
+    @model_validator(mode="after")
+    def _cluster_rules(self) -> Self:
+        problems: list[str] = []
+        names = [n.name for n in self.nodes]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            problems.append(f"node names must be unique; repeated: {', '.join(dupes)}")
+        ips = [n.ip for n in self.nodes]
+        for ip in sorted({ip for ip in ips if ips.count(ip) > 1}):
+            sharing = " and ".join(n.name for n in self.nodes if n.ip == ip)
+            problems.append(
+                f"{sharing} have the same fabric_ip {ip}; each node needs its own (the address "
+                "Ray and VLLM_HOST_IP use on that node): fix the fabric_ip of the wrong one"
+            )
+        heads = [n.name for n in self.nodes if n.head]
+        if len(heads) > 1:
+            problems.append(f"only one node can be the head; head = true on {', '.join(heads)}")
+        gpus = sum(n.gpus for n in self.nodes)
+        if self.vllm.world_size > gpus:
+            problems.append(
+                f"vllm.tensor_parallel_size x vllm.pipeline_parallel_size = {self.vllm.world_size} "
+                f"needs more GPUs than the nodes have ({gpus}); "
+                "lower the parallel sizes or add nodes"
+            )
+        gloo = {n.name: len(n.fabric_interfaces) or 1 for n in self.nodes}
+        if len(set(gloo.values())) > 1:
+            counts = ", ".join(f"{name} {count}" for name, count in gloo.items())
+            problems.append(
+                f"the nodes name different numbers of fabric_interfaces ({counts}; a node that "
+                "names none uses the one its fabric IP is on): Gloo (GLOO_SOCKET_IFNAME) needs "
+                "the same number on every node or the ranks wait for each other for ever; name "
+                "as many on each node, or leave them out everywhere"
+            )
+        locals_ = [n.name for n in self.nodes if n.transport == "local"]
+        if len(locals_) > 1:
+            problems.append(
+                f"only the controller's own node can be local; local on {', '.join(locals_)}"
+            )
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    @property
+    def head(self) -> NodeConfig:
+        return next((n for n in self.nodes if n.head), self.nodes[0])
+
+    @property
+    def workers(self) -> list[NodeConfig]:
+        head = self.head
+        return [n for n in self.nodes if n is not head]
+
+    def secret_values(self) -> tuple[str, ...]:
+        """Every secret's plain value, for masking in messages."""
+        secrets = (self.secrets.hf_token, self.secrets.webhook_secret, self.ssh.key_passphrase)
+        return tuple(
+            s.get_secret_value() for s in secrets if s is not None and s.get_secret_value()
+        )
+
+
+def describe(config: ClusterConfig) -> dict[str, Any]:
+    """The resolved configuration as plain data, secrets masked."""
+    data = config.model_dump(mode="json")
+    for section, fields in (
+        ("secrets", ("hf_token", "webhook_secret")),
+        ("ssh", ("key_passphrase",)),
+    ):
+        for field in fields:
+            if data[section].get(field) is not None:
+                data[section][field] = "*****"
+    data["head"] = config.head.name
+    data["vllm"]["served_name"] = config.vllm.served_name
+    return data

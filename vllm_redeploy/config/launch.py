@@ -1,0 +1,182 @@
+"""What runs on the nodes: ``[vllm]`` (the engine, for both backends), ``[ray]`` (the Ray
+backend only), ``[fabric]`` (RDMA for NCCL) and ``[memory]`` (unified memory).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+
+from vllm_redeploy.config.fields import (
+    ENV_NAME_PATTERN,
+    HOST_PATTERN,
+    IMAGE_PATTERN,
+    REMOVED_FLAGS,
+    SHM_PATTERN,
+    VOLUME_PATTERN,
+    ModelPath,
+    Name,
+    Port,
+    Section,
+    ServedName,
+    matches,
+)
+
+
+class VLLMConfig(Section):
+    image: Annotated[str, matches(IMAGE_PATTERN, "Docker image reference")] = Field(
+        description="Image with vLLM (and Ray, for the ray backend), identical on every node."
+    )
+    model: ModelPath = Field(
+        description="Model directory on every node (mounted at the same path)."
+    )
+    served_model_name: ServedName | None = Field(
+        None,
+        description="Name clients use in requests; default: the model path verbatim, as vLLM does.",
+    )
+    port: Port = Field(30000, description="OpenAI-compatible API port on the head node.")
+    host: Annotated[str, matches(HOST_PATTERN, "bind address")] = Field(
+        "0.0.0.0",  # noqa: S104 - the API serves the network
+        description="API bind address.",
+    )
+    backend: Literal["auto", "ray", "mp"] = Field(
+        "auto",
+        description="How the ranks on several nodes find each other: ray (a Ray cluster, the "
+        "image must carry Ray), mp (vLLM's own --nnodes launcher, no Ray needed), or auto: ray "
+        "when the image carries Ray, mp otherwise.",
+    )
+    master_port: Port = Field(
+        29501, description="mp backend: the rendezvous port on the head (--master-port)."
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="--tensor-parallel-size.")
+    pipeline_parallel_size: int = Field(1, ge=1, description="--pipeline-parallel-size.")
+    reasoning_parser: Name | None = Field(
+        None, description='--reasoning-parser: "qwen3", "deepseek_r1"...'
+    )
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="--gpu-memory-utilization."
+    )
+    max_model_len: int | None = Field(None, ge=1, description="--max-model-len.")
+    extra_args: list[str] = Field(
+        default_factory=list, description="More `vllm serve` arguments, one per item."
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra environment of our containers on every node (Ray and vLLM, or the "
+        "mp leader and followers).",
+    )
+    volumes: list[str] = Field(
+        default_factory=list,
+        description="Extra mounts HOST:CONTAINER[:ro], "
+        "e.g. the HF cache and the ~/.cache/vllm compile cache.",
+    )
+    shm_size: Annotated[str, matches(SHM_PATTERN, "size like 16g")] = Field(
+        "16g", description="Shared memory size of the containers."
+    )
+    gpu_device_request: bool = Field(
+        True,
+        description="Ask Docker for the node's GPUs (--gpus); off only for machines without GPUs.",
+    )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_removed_flags(cls, args: list[str]) -> list[str]:
+        for arg in args:
+            flag = arg.split("=", 1)[0]
+            if flag in REMOVED_FLAGS:
+                raise ValueError(f"{flag} was removed from vLLM: {REMOVED_FLAGS[flag]}")
+            if "\n" in arg or "\0" in arg:
+                raise ValueError(f"{arg!r} contains a newline or NUL byte")
+        return args
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        for key, value in env.items():
+            if not ENV_NAME_PATTERN.fullmatch(key):
+                raise ValueError(f"{key!r} is not a valid environment variable name")
+            if "\0" in value:
+                raise ValueError(f"the value of {key} contains a NUL byte")
+        return env
+
+    @field_validator("volumes")
+    @classmethod
+    def _volume_syntax(cls, volumes: list[str]) -> list[str]:
+        for volume in volumes:
+            if not VOLUME_PATTERN.fullmatch(volume):
+                raise ValueError(f"{volume!r} is not HOST:CONTAINER[:ro|rw] with absolute paths")
+        return volumes
+
+    @property
+    def served_name(self) -> str:
+        return self.served_model_name or self.model
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+class RayConfig(Section):
+    port: Port = Field(6379, description="ray backend: the Ray head's (GCS) port.")
+    memory_monitor: bool = Field(
+        False,
+        description="Ray's memory monitor, which kills workers at 95% of node memory. Off: on "
+        "unified memory (DGX Spark) a node's weight shard alone gets there while loading.",
+    )
+    object_store_bytes: int | None = Field(
+        1 << 30,
+        ge=78643200,
+        description="Ray's object store per node (--object-store-memory); vLLM barely uses it. "
+        "Ray's own default, 30% of memory, takes ~36 GB from a Spark's GPU. None: Ray's default.",
+    )
+    prestart_workers: bool = Field(
+        False,
+        description="Let Ray start idle Python workers ahead of time (one per CPU; ~100 MB each).",
+    )
+    extra_args: list[str] = Field(
+        default_factory=list,
+        description="ray backend: more `ray start` arguments on every node, e.g. --num-cpus=8",
+    )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _one_line_each(cls, args: list[str]) -> list[str]:
+        for arg in args:
+            if "\n" in arg or "\0" in arg:
+                raise ValueError(f"{arg!r} contains a newline or NUL byte")
+        return args
+
+
+class FabricConfig(Section):
+    rdma: Literal["auto", "off"] = Field(
+        "auto",
+        description="auto: give the containers of every node with active RDMA HCAs their "
+        "devices (/dev/infiniband), IPC_LOCK and an unlimited memlock, so NCCL can use RoCE/IB; "
+        "off: never (NCCL then uses TCP sockets).",
+    )
+    require_rdma: bool | None = Field(
+        None,
+        description="Fail a run whose NCCL did not use RDMA on every rank (it answers, but "
+        "slowly). Default: true when any node has RDMA HCAs.",
+    )
+    privileged: bool = Field(
+        False, description="Run the containers privileged (some RDMA setups need it)."
+    )
+    memlock_bytes: int = Field(
+        -1,
+        ge=-1,
+        description="--ulimit memlock of RDMA nodes' containers; -1: unlimited (NVIDIA's value).",
+    )
+    stack_bytes: int = Field(
+        67108864, ge=-1, description="--ulimit stack of RDMA nodes' containers (NVIDIA's value)."
+    )
+
+
+class MemoryConfig(Section):
+    drop_page_cache: bool | None = Field(
+        None,
+        description="Drop the page cache on each node right before the launch (through a "
+        "one-shot container). vLLM on unified memory (GB10) counts cached pages as used and "
+        "refuses to start. Default: on for unified-memory nodes.",
+    )

@@ -1,0 +1,170 @@
+"""The cluster configuration: a TOML file, then `.env` in the working directory, then the
+cluster's own env file beside its TOML (``spark-pair.toml`` -> ``spark-pair.env``), then
+environment variables (later wins).
+
+Environment variables use the prefix ``VLLM_REDEPLOY_`` and ``__`` for nesting, e.g.
+``VLLM_REDEPLOY_VLLM__PORT=30001`` or ``VLLM_REDEPLOY_SECRETS__HF_TOKEN=hf_...``. Explicit
+environment variables beat the files, as in every twelve-factor tool, so an operator can override
+a committed file for one run.
+
+A process that loads several clusters (``serve``, ``watch``, ``webhook``, ``status`` with several
+``--config``) reads each cluster's own env file only: the process environment and `.env` would
+apply to every cluster at once (one cluster's secrets in another's containers), so such a process
+refuses to start while either sets a ``VLLM_REDEPLOY_`` value (:func:`load_clusters`).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+from pydantic_settings import SettingsError
+
+from vllm_redeploy.config.cluster import ClusterConfig
+from vllm_redeploy.config.errors import ConfigError, _explain, _settings_problem
+from vllm_redeploy.config.fields import DEFAULT_CONFIG, ENV_PREFIX
+from vllm_redeploy.safe_text import one_line, shown
+
+
+def cluster_env_file(path: Path) -> Path:
+    """The cluster's own settings and secrets: ``spark-pair.toml`` -> ``spark-pair.env``."""
+    return path.with_suffix(".env")
+
+
+def load_config(
+    path: Path | str | None = None, *, env_file: Path | str | None = ".env"
+) -> ClusterConfig:
+    """Read and validate the configuration, or raise ConfigError naming every problem.
+
+    ``env_file``: the shared env file (`.env` in the working directory; None: none); the
+    cluster's own (:func:`cluster_env_file`) is always read and wins over it."""
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    data = _read_toml(path)
+    env_files = tuple(f for f in (env_file, cluster_env_file(path)) if f is not None)
+    try:
+        config = ClusterConfig(_env_file=env_files, **data)  # type: ignore[call-arg]
+    except ValidationError as exc:
+        problems: list[str] = []
+        for error in exc.errors():
+            for line in map(one_line, _explain(error).split("\n")):
+                if line not in problems:
+                    problems.append(line)
+        raise ConfigError(str(path), problems) from None
+    except SettingsError as exc:  # a list or table from the environment that is not JSON
+        raise ConfigError(str(path), [_settings_problem(exc)]) from None
+    problems = _file_problems(config)
+    if problems:
+        raise ConfigError(str(path), problems)
+    return config
+
+
+def load_clusters(paths: list[Path]) -> list[ClusterConfig]:
+    """Several clusters for one process, each from its TOML and its own env file only; or
+    ConfigError when a shared source would apply to all of them, or two name the same cluster."""
+    if len(paths) == 1:
+        return [load_config(paths[0])]
+    shared = sorted(k for k in os.environ if _is_setting(k))
+    dotenv = Path(".env")
+    in_dotenv = _prefixed_keys(dotenv)
+    example = cluster_env_file(paths[0])
+    problems = [
+        f"{where} sets {', '.join(map(shown, keys))}, which would apply to each of the "
+        f"{len(paths)} clusters this process loads (one cluster's secrets and settings in "
+        f"another's): move each value to the env file of its cluster, beside its configuration "
+        f"(e.g. {shown(str(example))}), and {fix}"
+        for where, keys, fix in (
+            ("the environment", shared, "unset it here"),
+            (f"{dotenv.resolve()}", in_dotenv, "remove it from that file"),
+        )
+        if keys
+    ]
+    if problems:
+        raise ConfigError("the controller's environment", problems)
+    configs = [load_config(path, env_file=None) for path in paths]
+    names = [c.name for c in configs]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ConfigError(
+            ", ".join(map(str, paths)),
+            [f"two configurations name the same cluster ({', '.join(repeated)}); name each apart"],
+        )
+    return configs
+
+
+def _prefixed_keys(path: Path) -> list[str]:
+    """The cluster settings an env file sets (none when there is no such file)."""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return []
+    keys = (line.split("=", 1)[0].strip().removeprefix("export ").strip() for line in lines)
+    return sorted({k for k in keys if _is_setting(k)})
+
+
+def _is_setting(key: str) -> bool:
+    """A variable that sets a cluster's value (``VLLM_REDEPLOY_VLLM__PORT``); others of the
+    prefix (``VLLM_REDEPLOY_CONFIG``, prefect.yaml's) are not the configuration's."""
+    upper = key.upper()
+    field = upper.removeprefix(ENV_PREFIX).split("__", 1)[0].lower()
+    return upper.startswith(ENV_PREFIX) and field in ClusterConfig.model_fields
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise ConfigError(
+            str(path),
+            [
+                "the configuration file does not exist: pass --config FILE, or copy "
+                "cluster.example.toml to cluster.toml and describe your nodes"
+            ],
+        )
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(str(path), [f"not valid TOML: {one_line(exc)}"]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            str(path), [f"not valid TOML: the file is not UTF-8 text (byte {exc.start})"]
+        ) from None
+    except RecursionError:
+        raise ConfigError(
+            str(path), ["not valid TOML: arrays or tables nested too deeply"]
+        ) from None
+    except OSError as exc:
+        raise ConfigError(str(path), [f"cannot read the file: {one_line(exc.strerror)}"]) from None
+
+
+def _file_problems(config: ClusterConfig) -> list[str]:
+    """Checks of the controller's own files (keys), done after the model is valid."""
+    problems = []
+    for key_file, key in [(config.ssh.key_file, "ssh.key_file")] + [
+        (n.ssh_key_file, f"nodes[{i}].ssh_key_file") for i, n in enumerate(config.nodes)
+    ]:
+        if key_file is not None and not _is_file(key_file):
+            problems.append(
+                f"{key}: the key file {shown(key_file)} does not exist; "
+                "fix the path or remove the key"
+            )
+    try:
+        config.ssh.known_hosts.expanduser()
+    except RuntimeError:  # ~user of a user this machine does not have
+        problems.append(
+            f"ssh.known_hosts: cannot expand {shown(config.ssh.known_hosts)} (no such user's home)"
+        )
+    return problems
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.expanduser().is_file()
+    except (OSError, RuntimeError, ValueError):  # ~nosuchuser, a name too long, a NUL byte
+        return False
+
+
+def environ_overrides() -> dict[str, str]:
+    """Environment variables that override the file (names only are meant for display)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}

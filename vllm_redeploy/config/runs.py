@@ -1,0 +1,135 @@
+"""How runs behave: ``[autostart]`` (what to stop first), ``[deadlines]``, ``[lock]``,
+``[watch]``, ``[probe]``, ``[webhook]`` and ``[secrets]``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from pydantic import Field, SecretStr
+
+from vllm_redeploy.config.fields import (
+    HOST_PATTERN,
+    ContainerPattern,
+    Port,
+    Seconds,
+    Section,
+    UnitName,
+    matches,
+)
+
+
+class AutostartConfig(Section):
+    containers: list[ContainerPattern] = Field(
+        default_factory=list,
+        description="Names or glob patterns of containers that start at boot and must go.",
+    )
+    units: list[UnitName] = Field(
+        default_factory=list, description="systemd units to stop before redeploying."
+    )
+    disable_units: bool = Field(
+        False, description="Also disable the units, so they do not start at the next boot."
+    )
+
+
+class DeadlinesConfig(Section):
+    model_load_s: Seconds = Field(1200, description="How long the weights may take to load.")
+    nodes_reachable_s: Seconds = Field(
+        300, description="How long to wait for nodes to come back after a reboot."
+    )
+    gpu_release_s: Seconds = Field(
+        30,
+        description="How long GPU processes may take to exit and the ports (API, Ray's, the "
+        "master port) to be released after the old containers stop.",
+    )
+    ray_cluster_s: Seconds = Field(
+        120, description="How long Ray may take to see every node and GPU."
+    )
+    rendezvous_s: Seconds = Field(
+        120,
+        description="mp backend: how long every follower may take to connect to the leader's "
+        "rendezvous port once it listens (vLLM itself waits 600 s, silently).",
+    )
+
+
+class LockConfig(Section):
+    wait_s: Seconds = Field(
+        7200,
+        description="How long a run waits while another run of this cluster holds it (nightly, "
+        "after-reboot and manual runs queue one after another) before it fails saying so.",
+    )
+    lease_s: float = Field(
+        120,
+        ge=60,
+        le=86400,
+        description="A run renews its hold on the cluster every 3/4 of this; one that dies "
+        "(its controller killed) frees the cluster this long after its last renewal. "
+        "Prefect's minimum is 60 s.",
+    )
+
+
+class WatchConfig(Section):
+    interval_s: Seconds = Field(
+        15, description="How often `vllm-redeploy watch` looks at the engine and every rank."
+    )
+    failures: int = Field(
+        3, ge=1, description="Bad looks in a row before vllm.cluster.unhealthy is emitted."
+    )
+    max_recoveries: int = Field(
+        3,
+        ge=1,
+        description="Recovery runs allowed per window_s; one more marks the cluster "
+        "crash-looping, and nothing automatic touches it until `vllm-redeploy resume`.",
+    )
+    window_s: Seconds = Field(3600, description="The window max_recoveries counts in.")
+    backoff_s: Seconds = Field(
+        30,
+        description="Wait before the second recovery in the window; each next one waits 4 "
+        "times longer (30 s, 2 min, 8 min).",
+    )
+
+
+class ProbeConfig(Section):
+    prompt: str = Field("Say hello in one sentence.", min_length=1, description="Sanity prompt.")
+    max_tokens: int = Field(50, ge=1, description="Token budget of the probe.")
+    temperature: float = Field(0.0, ge=0, le=2, description="Sampling temperature of the probe.")
+    timeout_s: Seconds = Field(60, description="How long the probe request may take.")
+
+
+class WebhookConfig(Section):
+    url: (
+        Annotated[
+            str,
+            matches(
+                re.compile(r"^https?://[A-Za-z0-9._:\[\]-]+(/[A-Za-z0-9._/-]*)?$"), "http(s) URL"
+            ),
+        ]
+        | None
+    ) = Field(
+        None,
+        description="Where the nodes' notifier reaches the webhook, e.g. http://controller:8787.",
+    )
+    host: Annotated[str, matches(HOST_PATTERN, "bind address")] = Field(
+        "127.0.0.1", description="Address the webhook service binds (0.0.0.0 for the fabric)."
+    )
+    port: Port = Field(8787, description="Port of the webhook service.")
+    replay_window_s: Seconds = Field(
+        300, description="Signed calls older or newer than this are refused (replay protection)."
+    )
+    max_body_bytes: int = Field(4096, ge=256, le=1_048_576, description="Largest accepted body.")
+    reboot_debounce_s: Seconds = Field(
+        600, description="after-reboot: further reboot events within this window start no run."
+    )
+    reboot_delay_s: float = Field(
+        60, ge=0, description="after-reboot: wait this long after the first event before the run."
+    )
+
+
+class SecretsConfig(Section):
+    hf_token: SecretStr | None = Field(
+        None, description="Hugging Face token (HF_TOKEN in the containers)."
+    )
+    webhook_secret: SecretStr | None = Field(
+        None, description="Shared secret of the reboot webhook."
+    )
