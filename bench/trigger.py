@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from bench.flowruns import stamp
 from bench.measure import write_config
 from bench.prefect_server import QUIET
-from deployments.events import EventSender
+from deployments.event_sender import EventSender
 from deployments.webhook import SECRET_ENV, running_webhook
 from tests.test_deployments import call, deployments_by_name, runs_of
 from tests.testbed.bed import TestBed

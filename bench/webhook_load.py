@@ -43,7 +43,7 @@ from typing import Any
 import httpx
 
 from bench.report import write_results
-from deployments.events import reboot_event_id
+from deployments.event_sender import reboot_event_id
 from deployments.webhook import SIGNATURE_HEADER, TIMESTAMP_HEADER, serve_webhook, sign
 from vllm_redeploy.config import ClusterConfig
 

@@ -16,7 +16,7 @@ from prefect.events.schemas.events import ResourceSpecification
 from prefect.schedules import Cron
 
 from vllm_redeploy.config import ClusterConfig
-from vllm_redeploy.events import EVENT_UNHEALTHY, LABEL_CLUSTER
+from vllm_redeploy.events import EVENT_UNHEALTHY, RESOURCE_LABEL_CLUSTER
 from vllm_redeploy.names import deployment_name
 
 REBOOT_EVENT = "vllm.node.rebooted"
@@ -50,7 +50,7 @@ def unhealthy_trigger(config: ClusterConfig) -> DeploymentEventTrigger:
     return DeploymentEventTrigger(
         name=f"{config.name}: unhealthy",
         expect={EVENT_UNHEALTHY},
-        match=ResourceSpecification({LABEL_CLUSTER: config.name}),
+        match=ResourceSpecification({RESOURCE_LABEL_CLUSTER: config.name}),
         posture="Reactive",
         threshold=1,
         within=timedelta(seconds=0),

@@ -32,7 +32,7 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import StateType
 from prefect.exceptions import ObjectNotFound
 
-from deployments.events import EventSender
+from deployments.event_sender import EventSender
 from tasks.standing.marks import read_standing
 from tasks.standing.recoveries import declare_crashloop, pace, read_recover_runs
 from vllm_redeploy.config import ClusterConfig

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect
 
-from deployments.events import EventSender, reboot_event
+from deployments.event_sender import EventSender, reboot_event
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.names import webhook_path
 from vllm_redeploy.safe_text import one_line, shown

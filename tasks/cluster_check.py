@@ -1,4 +1,4 @@
-"""Step 5, cluster check: Ray sees every node alive at its fabric IP, and every GPU.
+"""Step "cluster-check": Ray sees every node alive at its fabric IP, and every GPU.
 
 While the nodes start, each one's Ray log says when it has registered (a cheap read); Ray's own
 member list then decides. A node whose Ray exits fails the step at once, with its log.

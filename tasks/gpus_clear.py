@@ -1,4 +1,4 @@
-"""Step 2, GPUs clear: no compute process on any GPU and memory back where the GPU reports it.
+"""Step "gpus-clear": no compute process on any GPU and memory back where the GPU reports it.
 
 A process that was just stopped takes seconds to release its GPU, so the check is repeated
 for a grace period before it fails naming the node, PID, process and memory.

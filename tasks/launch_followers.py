@@ -1,4 +1,4 @@
-"""Step 3 (mp backend), launch the followers: `vllm serve ... --node-rank r --headless` on every
+"""Step "launch-followers" (mp backend): `vllm serve ... --node-rank r --headless` on every
 node but the head, each pinned to its fabric IP. They connect to the leader's rendezvous port and
 keep retrying until it is up, so they go first (see vllm_redeploy/plan_mp.py)."""
 

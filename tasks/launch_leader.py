@@ -1,4 +1,4 @@
-"""Step 4 (mp backend), launch the leader: `vllm serve ... --node-rank 0` on the head. It hosts
+"""Step "launch-leader" (mp backend): `vllm serve ... --node-rank 0` on the head. It hosts
 the rendezvous, loads once every follower has joined, and serves the API."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Step 6 (Ray backend), launch vLLM: `vllm serve` across the Ray cluster, in its own container
+"""Step "launch-vllm" (Ray backend): `vllm serve` across the Ray cluster, in its own container
 on the head."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Step 2c, memory: on unified memory (GB10), drop the page cache and make sure vLLM will find the
+"""Step "memory": on unified memory (GB10), drop the page cache and make sure vLLM will find the
 memory it asks for, before anything starts.
 
 The cache is dropped through a one-shot container of the vLLM image (Docker access is root on

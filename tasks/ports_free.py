@@ -1,4 +1,4 @@
-"""Step 2b, ports free: once the old stack is stopped, nothing listens on the head's API and Ray
+"""Step "ports-free": once the old stack is stopped, nothing listens on the head's API and Ray
 ports. Not a preflight check: the stack being replaced usually holds these very ports."""
 
 from __future__ import annotations

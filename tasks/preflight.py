@@ -1,4 +1,4 @@
-"""Step 0, preflight: every node reachable (waiting for late ones), Docker up, the same image,
+"""Step "preflight": every node reachable (waiting for late ones), Docker up, the same image,
 the model directory and its weights, Ray in the image, each node's fabric IP and fabric (its
 interfaces, RDMA HCAs and devices). ``judge_preflight`` then picks the launch backend and
 builds the launch plan from what was found."""

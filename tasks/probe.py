@@ -1,4 +1,4 @@
-"""Step 8, the reasoning sanity probe: one chat completion, judged for a reasoning model."""
+"""Step "probe": one chat completion, judged for a reasoning model."""
 
 from __future__ import annotations
 

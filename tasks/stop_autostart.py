@@ -1,4 +1,4 @@
-"""Step 1, stop autostart: the listed units, the matching containers, and our own earlier ones.
+"""Step "stop-autostart": the listed units, the matching containers, and our own earlier ones.
 
 Nothing else is touched: other containers stay, and no file is removed.
 """

@@ -1,4 +1,4 @@
-"""Step 8, transport: prove which transport NCCL chose between the nodes, from every rank's own
+"""Step "transport": prove which transport NCCL chose between the nodes, from every rank's own
 log lines (read from the start: the loading lines come after them).
 
 RDMA is required when any node has active HCAs (``[fabric] require_rdma``): a group that fell

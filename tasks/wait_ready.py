@@ -1,4 +1,4 @@
-"""Step 7, wait for ready: until /v1/models names our served model, while watching every member of
+"""Step "wait-ready": until /v1/models names our served model, while watching every member of
 the group.
 
 The API port refuses connections for the whole load, so "loading or dead" is judged from the

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from deployments.definitions import deployment_specs
-from deployments.events import EventSender
+from deployments.event_sender import EventSender
 from deployments.webhook import running_webhook, sign
 from tests.conftest import make_bed
 from tests.testbed.bed import TestBed

@@ -54,10 +54,14 @@ def test_plain_names_stay_as_they_are() -> None:
 
 
 def test_cluster_events_carry_the_same_label_as_reboot_events() -> None:
-    from vllm_redeploy.events import LABEL_CLUSTER, reboot_event
+    from vllm_redeploy.events import RESOURCE_LABEL_CLUSTER, reboot_event
 
     reboot = reboot_event("Bed_A", "node-1", "boot", 1.0)
     failed = failed_event("Bed_A", "wait-ready", "x" * 5000)
-    assert reboot["resource"][LABEL_CLUSTER] == failed["resource"][LABEL_CLUSTER] == "Bed_A"
+    assert (
+        reboot["resource"][RESOURCE_LABEL_CLUSTER]
+        == failed["resource"][RESOURCE_LABEL_CLUSTER]
+        == "Bed_A"
+    )
     assert cluster_resource("Bed_A")["prefect.resource.id"] == "vllm-redeploy.cluster.Bed_A"
     assert len(failed["payload"]["reason"]) == 2000

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from deployments.events import EventSender, reboot_event_id
+from deployments.event_sender import EventSender, reboot_event_id
 from deployments.install_notifier import (
     ENV_PATH,
     SCRIPT_PATH,

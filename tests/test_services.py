@@ -25,7 +25,7 @@ import yaml
 from typer.testing import CliRunner
 
 from deployments.cli import app
-from deployments.events import EVENT_REBOOTED, node_resource_id, reboot_event_id
+from deployments.event_sender import EVENT_REBOOTED, node_resource_id, reboot_event_id
 from deployments.install_controller import (
     AUTH_CLIENT,
     AUTH_SERVER,

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deployments.events import EventSender
+from deployments.event_sender import EventSender
 from deployments.webhook import running_webhook
 from tests.test_deployments import deployments_by_name
 from tests.test_webhook import notice, signed, wait_for_event

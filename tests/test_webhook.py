@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from deployments.events import (
+from deployments.event_sender import (
     EVENT_REBOOTED,
     EventSender,
     node_resource_id,

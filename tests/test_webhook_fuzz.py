@@ -23,7 +23,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from deployments.events import EVENT_REBOOTED, EventSender, node_resource_id, reboot_event_id
+from deployments.event_sender import EVENT_REBOOTED, EventSender, node_resource_id, reboot_event_id
 from deployments.webhook import SIGNATURE_HEADER, TIMESTAMP_HEADER, running_webhook, sign
 from tests.fuzz import fuzz_settings
 from tests.test_webhook import NODES, make_config

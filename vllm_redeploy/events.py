@@ -28,7 +28,7 @@ EVENT_UNHEALTHY = "vllm.cluster.unhealthy"
 EVENT_CRASHLOOP = "vllm.cluster.crashloop"
 # Fixed for the life of the project: changing it changes every event id.
 EVENT_NAMESPACE = uuid.UUID("d804102c-4dc8-43d6-90c1-37516ff2ad60")
-LABEL_CLUSTER = f"{PROJECT}.cluster"
+RESOURCE_LABEL_CLUSTER = f"{PROJECT}.cluster"  # in events: the cluster a resource belongs to
 LABEL_NODE = f"{PROJECT}.node"
 REASON_CHARS = 2000
 
@@ -43,7 +43,7 @@ def cluster_resource(cluster: str) -> dict[str, str]:
     return {
         "prefect.resource.id": cluster_resource_id(cluster),
         "prefect.resource.name": cluster,
-        LABEL_CLUSTER: cluster,
+        RESOURCE_LABEL_CLUSTER: cluster,
     }
 
 
@@ -61,7 +61,7 @@ def reboot_event(cluster: str, node: str, boot_id: str, uptime_s: float) -> dict
         "resource": {
             "prefect.resource.id": node_resource_id(cluster, node),
             "prefect.resource.name": node,
-            LABEL_CLUSTER: cluster,
+            RESOURCE_LABEL_CLUSTER: cluster,
             LABEL_NODE: node,
         },
         "payload": {"boot_id": boot_id, "uptime_s": uptime_s},

@@ -20,8 +20,8 @@ import httpx
 
 from vllm_redeploy.events import (  # noqa: F401 - the webhook's and the tests' names for them
     EVENT_REBOOTED,
-    LABEL_CLUSTER,
     LABEL_NODE,
+    RESOURCE_LABEL_CLUSTER,
     node_resource_id,
     reboot_event,
     reboot_event_id,
