@@ -40,6 +40,15 @@ def _need(program: str) -> None:
         )
 
 
+# Modules that take minutes start first: on two workers they then overlap the rest of the suite
+# instead of running after it (xdist hands out whole modules in collection order).
+FIRST = ("test_real_vllm.py", "test_vllm_differential.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.path.name not in FIRST)  # stable: the rest keep their order
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Daemons of a test session that was killed (Ctrl-C twice, a CI timeout) outlive it; they
     would hold the bed's addresses and ports. Remove them before this session starts its own."""
