@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,6 +146,16 @@ def artifact_id(ui_run: UIRun, suffix: str) -> str:
     return ui_run.artifacts[key]["id"]
 
 
+def wait_for_the_url_to_settle(page: Page, quiet_s: float = 1.5, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    url, since = page.url, time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        assert time.monotonic() < deadline, f"the URL kept changing: {page.url}"
+        page.wait_for_timeout(100)
+        if page.url != url:
+            url, since = page.url, time.monotonic()
+
+
 def open_artifacts_tab(page: Page, ui_run: UIRun) -> None:
     page.goto(f"{ui_run.root}/v2/runs/flow-run/{ui_run.flow_run_id}")
     page.get_by_role("tab", name="Artifacts").click()
@@ -160,7 +171,13 @@ def test_root_leads_to_the_flow_run_and_both_artifacts(page: Page, ui_run: UIRun
     # and the late URL update then sends the UI to /v2/runs?tab=Logs&flow-run-search=..., an
     # error page. A person waits for the list to filter, and so does the test.
     expect(page).to_have_url(re.compile(r"[?&]flow-run-search="))
-    page.get_by_role("link", name=ui_run.flow_run_name, exact=True).first.click()
+    # It then adds &page=1 in a second, later update, once the filtered list has loaded (seen on
+    # a busy machine): wait for the list to show the run and the URL to stay put, as a person
+    # reads the list before clicking.
+    run_link = page.get_by_role("link", name=ui_run.flow_run_name, exact=True).first
+    expect(run_link).to_be_visible()
+    wait_for_the_url_to_settle(page)
+    run_link.click()
     expect(page).to_have_url(re.compile(rf"/v2/runs/flow-run/{ui_run.flow_run_id}"))
     expect(page.get_by_text("Completed", exact=True).first).to_be_visible()
 

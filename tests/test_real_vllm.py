@@ -1,11 +1,11 @@
 """The product against the real vLLM (0.32.0, its CPU build; tests/testbed/real_vllm.py) on two
-bed nodes with the mp backend: the README scenario, a leader and a follower killed while serving,
-a follower firewalled from the leader by a real iptables rule, and the engine killed while
-`serve` and `watch` keep the cluster up. Each fault shows what the real engine does (where it is
-harder than a kind stand-in) and that the product still reaches a clear state.
+bed nodes with the mp backend: the README scenario, the leader killed while `serve` and `watch`
+keep the cluster up, a follower killed, and a follower firewalled from the leader by a real
+iptables rule. Each fault shows what the real engine does (where it is harder than a kind
+stand-in) and that the product still reaches a clear state.
 
-Every test starts from a served cluster (``ensure``: a no-op when it already is), so each stands
-on its own; in file order they share starts. What each fault took is kept in
+Each test that needs a served cluster starts with ``ensure`` (a no-op when it is served), so
+each stands on its own; in file order they share starts (two starts and a failing one). What each fault took is kept in
 tests/output/real-vllm-*.md for the team's notes."""
 
 from __future__ import annotations
@@ -117,45 +117,34 @@ def test_the_readme_scenario_on_the_real_engine(real_bed: TestBed, path: Path) -
     print(f"real engine: run to served and probed in {took:.1f} s")
 
 
-def test_a_killed_leader_leaves_its_follower_up_and_ensure_replaces_both(
-    real_bed: TestBed, path: Path
-) -> None:
-    served(path)
-    follower = container(real_bed, 1, FOLLOWER)
-    container(real_bed, 0, LEADER).kill()
-    time.sleep(10)
-    # The real follower does not notice (vllm#32136): it stays up, unable to join a new leader.
-    follower.reload()
-    assert follower.status == "running", follower.status
-    problems = collect_status(load_config(path, env_file=None)).problems
-    assert "the vLLM leader (rank 0) on node-1 is not running" in problems, problems
-    assert (
-        "the vLLM follower on node-2 still runs without its leader: it cannot join a new one; "
-        "the next run (or ensure) replaces the whole group" in problems
-    ), problems
-
-    result = served(path)
-    assert result["action"] == "redeployed" and result["probe"]["healthy"], result
-    assert container(real_bed, 1, FOLLOWER).id != follower.id  # both ranks, started together
-
-
-def test_the_engine_killed_while_serve_and_watch_run_is_served_again(
+def test_a_killed_leader_leaves_its_follower_up_until_a_recovery_replaces_both(
     real_bed: TestBed, path: Path, prefect_api: str
 ) -> None:
+    """The leader killed while `serve` and `watch` keep the cluster up. The real follower does
+    not notice (vllm#32136): the watcher sees it still running without its leader, and the
+    recovery run replaces both ranks."""
     served(path)
     ctl = Controller(real_bed, real_bed.root / "watched.toml", CLUSTER, prefect_api, {})
     real_bed.write_config(ctl.path, name=CLUSTER, watch=WATCH, webhook={"reboot_delay_s": 0})
     ctl.start()
     try:
         before = len(finished(ctl.runs("recover")))
+        follower = container(real_bed, 1, FOLLOWER).id
         container(real_bed, 0, LEADER).kill()
         killed = time.monotonic()
-        wait_for(lambda: ctl.events("vllm.cluster.unhealthy"), 60, "the unhealthy event")
+        event = wait_for(lambda: ctl.events("vllm.cluster.unhealthy"), 60, "the unhealthy event")
         noticed = time.monotonic() - killed
+        problems = event[0]["payload"]["problems"]
+        assert "the vLLM leader (rank 0) on node-1 is not running" in problems, problems
+        assert (
+            "the vLLM follower on node-2 still runs without its leader: it cannot join a new "
+            "one; the next run (or ensure) replaces the whole group" in problems
+        ), problems
         runs = wait_for(lambda: finished(ctl.runs("recover"))[before:], 300, "the recovery run")
         recovered = time.monotonic() - killed
         assert runs[0]["state_type"] == "COMPLETED", runs[0]
         assert chat(real_bed).status_code == 200
+        assert container(real_bed, 1, FOLLOWER).id != follower  # both ranks, started together
     finally:
         ctl.stop()
     keep_for_notes(
