@@ -5,8 +5,8 @@ iptables rule. Each fault shows what the real engine does (where it is harder th
 stand-in) and that the product still reaches a clear state.
 
 Each test that needs a served cluster starts with ``ensure`` (a no-op when it is served), so
-each stands on its own; in file order they share starts (two starts and a failing one). What each fault took is kept in
-tests/output/real-vllm-*.md for the team's notes."""
+each stands on its own; in file order they share starts (two starts and a failing one). What
+each fault took is kept in tests/output/real-vllm-*.md for the team's notes."""
 
 from __future__ import annotations
 

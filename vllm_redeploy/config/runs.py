@@ -44,7 +44,7 @@ class DeadlinesConfig(Section):
         "master port) to be released after the old containers stop.",
     )
     ray_cluster_s: Seconds = Field(
-        120, description="How long Ray may take to see every node and GPU."
+        120, description="ray backend: how long Ray may take to see every node and GPU."
     )
     rendezvous_s: Seconds = Field(
         120,
