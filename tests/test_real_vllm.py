@@ -15,7 +15,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,13 +85,6 @@ def served(path: Path) -> dict[str, Any]:
     state = redeploy_vllm_cluster(str(path), "ensure", return_state=True)
     assert state.is_completed(), state.result(raise_on_failure=False)
     return state.result()
-
-
-def timed(what: Callable[[], Any], timeout: float) -> float:
-    """Seconds until ``what()`` is true (fails after ``timeout``)."""
-    started = time.monotonic()
-    wait_for(what, timeout, getattr(what, "__doc__", None) or "the condition")
-    return time.monotonic() - started
 
 
 def test_the_readme_scenario_on_the_real_engine(real_bed: TestBed, path: Path) -> None:
@@ -168,7 +161,9 @@ def test_a_killed_follower_leaves_the_leader_answering_until_a_request_fails(
     assert "HTTP 500" in status.endpoint.probe.detail, status.endpoint.probe
     # After that failed request the leader exits, and with code 0: not a clean stop all the same.
     leader = container(real_bed, 0, LEADER)
-    exited = timed(lambda: leader.reload() or leader.status == "exited", 60)
+    started = time.monotonic()
+    wait_for(lambda: leader.reload() or leader.status == "exited", 60, "the leader's exit")
+    exited = time.monotonic() - started
     assert leader.attrs["State"]["ExitCode"] == 0, leader.attrs["State"]
     keep_for_notes(
         "real-vllm-follower-killed",
