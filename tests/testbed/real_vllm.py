@@ -49,10 +49,10 @@ def missing() -> str | None:
     return None
 
 
-def settings(settings: dict[str, Any]) -> dict[str, Any]:
+def settings(data: dict[str, Any]) -> dict[str, Any]:
     """The bed's cluster settings made to run the real engine: its model, its install mounted,
     the mp backend, and what a 2-core machine needs."""
-    vllm = settings["vllm"]
+    vllm = data["vllm"]
     vllm["model"] = str(model_dir())
     vllm["backend"] = "mp"
     compiled = compile_cache()
@@ -65,8 +65,8 @@ def settings(settings: dict[str, Any]) -> dict[str, Any]:
     }
     # Eager mode: torch.compile would add a minute per start and tells us nothing we test.
     vllm["extra_args"] = ["--enforce-eager", "--max-model-len", "1024"]
-    settings["deadlines"]["model_load_s"] = 300
+    data["deadlines"]["model_load_s"] = 300
     # The first request after a start runs the kernels inductor compiled (or compiles them):
     # 15-40 s on 2 busy cores, where a GPU's first answer takes well under a second.
-    settings["probe"] = {"timeout_s": 180}
-    return settings
+    data["probe"] = {"timeout_s": 180}
+    return data
