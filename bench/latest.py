@@ -203,8 +203,8 @@ def method(bench: Bench) -> list[str]:
         "API; its database exists already, as on a controller that ran Prefect before) and with "
         "the real server; their difference is the temporary API's cost.",
         "- **reference**: `bench/reference_runbook.sh` (ssh and the docker CLI; the flow's own "
-        "container specs from `vllm_redeploy/plan.py`) on the same bed with the same stand-in "
-        "settings: stop units and force-remove the old containers, GPUs clear, Ray head, "
+        "container specs from `vllm_redeploy/launch/ray.py`) on the same bed with the same "
+        "stand-in settings: stop units and force-remove the old containers, GPUs clear, Ray head, "
         "workers, `ray status` shows every GPU, `vllm serve`, poll `/v1/models` every POLL_S s, "
         "one curl chat request. Its wall runs from its first step to the answer (the helper that "
         "reads the configuration is not counted).",

@@ -19,7 +19,7 @@ from bench.flowruns import FlowRunRecord, read_flow_run
 from flows.redeploy import redeploy_vllm_cluster
 from tests.testbed.bed import TestBed
 from vllm_redeploy.config import load_config
-from vllm_redeploy.plan import engine_container
+from vllm_redeploy.launch.group import engine_container
 
 LOAD_START_LINE = "Starting to load model"
 READY_STEP = "wait-ready"

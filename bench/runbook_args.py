@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.runbook_args cluster.toml
 
-The containers are the flow's own (vllm_redeploy/plan.py: same image, command, environment,
+The containers are the flow's own (vllm_redeploy/launch/ray.py: same image, command, environment,
 mounts and names), written as `docker run` command lines, so the reference script launches
 exactly what the flow launches and the two can be timed on the same bed.
 """
@@ -14,8 +14,9 @@ import sys
 
 from vllm_redeploy.config import ClusterConfig, load_config
 from vllm_redeploy.endpoint import api_base
+from vllm_redeploy.launch.group import engine_container
+from vllm_redeploy.launch.ray import engine_spec, ray_container, ray_spec
 from vllm_redeploy.nodes.docker import ContainerSpec
-from vllm_redeploy.plan import engine_container, engine_spec, ray_container, ray_spec
 
 
 def docker_run(spec: ContainerSpec) -> str:

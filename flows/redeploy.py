@@ -8,9 +8,10 @@ recovery waits its backoff. Then, for the whole run, hold the cluster, so no oth
 1. Stop what auto-starts at boot (units, containers) and our own earlier containers.
 2. Make sure every GPU is free, the memory vLLM will ask for (page cache dropped on unified
    memory), and the head's ports.
-3-6. Launch the group. Ray backend: start the Ray head, join the workers (each pinned to its
-   fabric IP), check that Ray sees every node and GPU, launch `vllm serve` on the head. mp
-   backend (vLLM's own launcher, no Ray): launch the followers, then the leader.
+3-6. Launch the group, one step per phase of the plan. Ray backend: start the Ray head, join
+   the workers (each pinned to its fabric IP), check that Ray sees every node and GPU, launch
+   `vllm serve` on the head. mp backend (vLLM's own launcher, no Ray): launch the followers,
+   then the leader.
 7. Wait while the weights load, until /v1/models names our model (or a member dies).
 8. Prove the transport: NCCL used RDMA between the nodes (else fail when it is required).
 9. Probe: one chat completion, judged the way a reasoning model answers.
@@ -31,20 +32,16 @@ from prefect.events import emit_event
 from prefect.futures import wait
 from prefect.states import Completed, State
 
-from tasks.cluster_check import check_ray_cluster
 from tasks.context import Run, StepFailed, log
 from tasks.diagnostics import collect_diagnostics
 from tasks.gpus_clear import wait_gpus_clear
 from tasks.guard import Trigger, guard_run
 from tasks.inspect_deployment import inspect_deployment
-from tasks.launch_followers import launch_follower
-from tasks.launch_leader import launch_leader
-from tasks.launch_vllm import launch_vllm
+from tasks.launch import launch_phase
 from tasks.memory import make_memory_free
 from tasks.ports_free import wait_ports_free
 from tasks.preflight import judge_preflight, preflight_node
 from tasks.probe import probe_model
-from tasks.ray_start import join_worker, start_ray_head
 from tasks.standing.lock import cluster_lock
 from tasks.standing.marks import clear_crashloop
 from tasks.standing.recoveries import SKIPPED, UNCHANGED
@@ -61,8 +58,6 @@ from vllm_redeploy.safe_text import one_line, shown
 from vllm_redeploy.summary import RunSummary, StepEvent, render_markdown, report
 
 Mode = Literal["redeploy", "ensure"]
-# The steps that start what a failed run must remove.
-LAUNCHES = {"ray-head", "launch-followers", "launch-leader"}
 
 
 class Steps:
@@ -72,7 +67,7 @@ class Steps:
     def __init__(self, summary: RunSummary) -> None:
         self.summary = summary
         self.current = "start"
-        self.started: list[str] = []
+        self.launching = False  # the group's first container may be up: a failure removes it
 
     def __call__(self, name: str, fn: Any, *args: Any) -> Any:
         self._start(name)
@@ -96,7 +91,6 @@ class Steps:
 
     def _start(self, name: str) -> None:
         self.current = name
-        self.started.append(name)
         log().info("step %s", name)
         report(StepEvent(name, "running"))
 
@@ -188,15 +182,9 @@ def _runbook(run: Run, mode: Mode, step: Steps) -> dict[str, Any]:
     gpus = {g.node: g for g in summary.gpus}
     summary.memory = step("memory", per_node, make_memory_free, run, nodes, gpus)
     step("ports-free", wait_ports_free, run, plan)
-    followers = [m.node for m in plan.phase(0)]
-    if plan.backend == "ray":
-        step("ray-head", start_ray_head, run, config.head.name, plan)
-        step("join-workers", per_node, join_worker, run, [w.name for w in config.workers], plan)
-        summary.members = step("cluster-check", check_ray_cluster, run)
-        step("launch-vllm", launch_vllm, run, plan)
-    else:
-        step("launch-followers", per_node, launch_follower, run, followers, plan)
-        step("launch-leader", launch_leader, run, plan)
+    step.launching = True
+    for index, phase in enumerate(plan.phases):
+        summary.members = step(phase.step, launch_phase, run, plan, index) or summary.members
     ready = step("wait-ready", wait_until_ready, run, plan)
     summary.load_s, summary.vllm_version = ready.waited_s, ready.version
     if len(config.nodes) > 1:
@@ -250,7 +238,7 @@ def _fail(
     log().error("failed at %s: %s", step, reason)
     if reason.startswith("unexpected error"):
         log().error("the unexpected error's traceback", exc_info=True)
-    tear_down = bool(LAUNCHES & set(steps.started)) and not keep_on_failure
+    tear_down = steps.launching and not keep_on_failure
     report(StepEvent(step, "failed", summary.steps.get(step), reason))
     summary.action, summary.failed_step, summary.failure = f"failed at {step}", step, reason
     try:

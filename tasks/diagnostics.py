@@ -9,12 +9,12 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import Run
+from vllm_redeploy.launch.ray import ray_container
 from vllm_redeploy.names import artifact_key
 from vllm_redeploy.nodes import NodeAccess, RemoteError, fan_out
 from vllm_redeploy.nodes.docker import cluster_labels
 from vllm_redeploy.nodes.result import MASK
 from vllm_redeploy.parsers.nvidia_smi import COMPUTE_APPS_ARGV
-from vllm_redeploy.plan import ray_container
 from vllm_redeploy.safe_text import fenced, one_line, shown
 
 LOG_LINES = 40

@@ -10,7 +10,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import RETRY_TRANSIENT, Run, StepFailed, log
-from vllm_redeploy.plan import LaunchPlan
+from vllm_redeploy.launch.plan import LaunchPlan
 from vllm_redeploy.safe_text import one_line, shown
 
 STEP = "ports-free"
@@ -40,14 +40,10 @@ def wait_ports_free(run: Run, plan: LaunchPlan) -> None:
 
 
 def busy_ports(run: Run, plan: LaunchPlan) -> list[str]:
-    """The head's API port and the backend's port (Ray's, or the mp rendezvous) that something
-    listens on, with its owner where visible."""
+    """The head's ports of the plan (the API's, the backend's) that something listens on, with
+    its owner where visible."""
     config = run.config
-    ports = {config.vllm.port: "API port"}
-    if plan.backend == "ray":
-        ports[config.ray.port] = "Ray port"
-    elif len(config.nodes) > 1:
-        ports[config.vllm.master_port] = "rendezvous (master) port"
+    ports = dict(plan.ports)
     query = " or ".join(f"sport = :{port}" for port in ports)
     result = run.head.runner.run(["ss", "-Hltnp", f"( {query} )"], check=False)
     if not result.ok:  # never "free" when we could not look

@@ -13,6 +13,8 @@ from prefect import task
 from prefect.cache_policies import INPUTS, RUN_ID
 
 from tasks.context import RETRY_TRANSIENT, Run, StepFailed, log
+from vllm_redeploy.launch import LaunchPlan, NodeFabric, asks_the_image, choose, plan_for
+from vllm_redeploy.launch.ray import ray_check_spec
 from vllm_redeploy.nodes import (
     AuthenticationFailed,
     HostKeyRejected,
@@ -20,8 +22,6 @@ from vllm_redeploy.nodes import (
     NodeUnreachable,
 )
 from vllm_redeploy.parsers.fabric import FABRIC_ARGV, FabricFacts, parse_fabric
-from vllm_redeploy.plan import LaunchPlan, NodeFabric, ray_check_spec, ray_plan
-from vllm_redeploy.plan_mp import mp_plan
 from vllm_redeploy.safe_text import one_line
 
 STEP = "preflight"
@@ -90,7 +90,7 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
     # container takes the longest of all checks.
     background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="preflight")
     ray_check = None
-    if image_id is not None and name == config.head.name and config.vllm.backend != "mp":
+    if image_id is not None and name == config.head.name and asks_the_image(config):
         ray_check = background.submit(_ray_in_image, run, name)
     background.shutdown(wait=False)
     model = access.runner.run(["test", "-d", config.vllm.model], check=False)
@@ -186,12 +186,7 @@ def judge_preflight(run: Run, facts: list[NodeFacts]) -> LaunchPlan:
         if f.fabric is not None
     }
     ray_path = next(f.ray_path for f in facts if f.node == config.head.name)
-    backend = config.vllm.backend
-    if backend == "mp" or (backend == "auto" and ray_path is None):
-        why = "configured" if backend == "mp" else "the image carries no Ray"
-        plan = mp_plan(config, fabric, f"mp ({why}; vLLM's own multi-node launcher)")
-    else:
-        why = "configured" if backend == "ray" else f"the image carries Ray at {ray_path}"
-        plan = ray_plan(config, fabric, f"ray ({why})")
+    backend, why = choose(config, ray_path)
+    plan = plan_for(backend, config, fabric, why)
     log().info("launch backend: %s", plan.reason)
     return plan

@@ -12,8 +12,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import Run, StepFailed, log
+from vllm_redeploy.launch.group import NodeFabric
+from vllm_redeploy.launch.plan import LaunchPlan
 from vllm_redeploy.nodes import fan_out
-from vllm_redeploy.plan import LaunchPlan, NodeFabric
 from vllm_redeploy.transport import NodeTransport, TransportVerdict, judge_nodes
 
 STEP = "transport"

@@ -22,10 +22,10 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.context import Run, StepFailed, log
 from vllm_redeploy.endpoint import api_base, engine_version, list_models
+from vllm_redeploy.launch.plan import LaunchPlan, Member
 from vllm_redeploy.names import artifact_key
 from vllm_redeploy.nodes import NodeDocker, RemoteError, fan_out
 from vllm_redeploy.parsers.vllm_log import LoadProgress, last_load_progress, tail_for_people
-from vllm_redeploy.plan import LaunchPlan, Member
 from vllm_redeploy.rendezvous import follower_joined
 from vllm_redeploy.safe_text import block, shown
 from vllm_redeploy.summary import StepEvent, report
@@ -69,7 +69,7 @@ def wait_until_ready(run: Run, plan: LaunchPlan) -> Ready:
         key=artifact_key(config.name, "load"),
         description=f"Loading {want} on {api.node}",
     )
-    rendezvous = Rendezvous(plan) if plan.backend == "mp" else None
+    rendezvous = Rendezvous(plan) if plan.rendezvous_port is not None else None
     last_progress = 0.0
     last_load: LoadProgress | None = None
     last_report = started
@@ -147,7 +147,7 @@ def wait_until_ready(run: Run, plan: LaunchPlan) -> Ready:
 def _exited(run: Run, member: Member, info: object, after_s: float) -> str:
     """`the vLLM engine on N exited with code C (why) after S s. Last log lines: ...`"""
     docker = run.node(member.node).docker
-    what = _what(member)
+    what = member.what
     if info is None:
         return f"{what} on {member.node} is gone, {after_s:.1f} s into the load"
     code = getattr(info, "exit_code", None)
@@ -164,16 +164,6 @@ def _exited(run: Run, member: Member, info: object, after_s: float) -> str:
     )
 
 
-def _what(member: Member) -> str:
-    return {
-        "engine": "the vLLM engine",
-        "leader": "the vLLM leader (rank 0)",
-        "follower": "the vLLM follower",
-        "ray-head": "the Ray head container",
-        "ray-worker": "the Ray container",
-    }.get(member.role, member.role)
-
-
 def _stopped(run: Run, plan: LaunchPlan, exclude: Member) -> tuple[str, str] | None:
     """The first other member that no longer runs: what happened, in words, and its last log
     lines. A node that cannot be inspected now is skipped (the engine's own exit will tell)."""
@@ -187,12 +177,12 @@ def _stopped(run: Run, plan: LaunchPlan, exclude: Member) -> tuple[str, str] | N
         if outcome.error is not None or (info is not None and info.running):
             continue
         if info is None:
-            return f"{_what(member)} on {member.node} is gone", "(none: it was removed)"
+            return f"{member.what} on {member.node} is gone", "(none: it was removed)"
         try:
             tail = _tail(run.node(member.node).docker, member.spec.name, LOG_TAIL_LINES // 3)
         except RemoteError as exc:
             tail = f"(unreadable: {exc})"
-        return f"{_what(member)} on {member.node} exited with code {info.exit_code}", tail.strip()
+        return f"{member.what} on {member.node} exited with code {info.exit_code}", tail.strip()
     return None
 
 
@@ -202,8 +192,9 @@ def _on(members: list[Member], node: str) -> Member:
 
 @dataclass
 class Rendezvous:
-    """mp backend: which followers have joined the leader's master port, asked inside each
-    follower's container (vllm_redeploy.rendezvous: the connection seen from its side)."""
+    """A group that meets at a rendezvous (mp): which members have joined the API member's
+    rendezvous port, asked inside each one's container (vllm_redeploy.rendezvous: the
+    connection seen from its side)."""
 
     plan: LaunchPlan
     listening_since: float | None = None
@@ -214,8 +205,8 @@ class Rendezvous:
         if self.done:
             return
         config = run.config
-        port = config.vllm.master_port
-        head = run.node(config.head.name).runner
+        port = self.plan.rendezvous_port
+        head = run.node(self.plan.api.node).runner
         if self.listening_since is None:
             listens = head.run(["ss", "-Hltn", f"( sport = :{port} )"], check=False)
             if listens.ok and listens.stdout.strip():

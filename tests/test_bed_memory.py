@@ -22,17 +22,16 @@ from tests.testbed.memory import BOOT
 from tests.testbed.procs import free_port, wait_until
 from vllm_redeploy.config import ClusterConfig, load_config
 from vllm_redeploy.gpus import inspect_gpus
-from vllm_redeploy.nodes import ContainerSpec, NodeAccess, NodeDocker
-from vllm_redeploy.plan import (
-    engine_container,
+from vllm_redeploy.launch.group import engine_container, node_env
+from vllm_redeploy.launch.ray import (
     engine_spec,
-    node_env,
     parse_members,
     ray_container,
     ray_members_argv,
     ray_spec,
     ray_volume,
 )
+from vllm_redeploy.nodes import ContainerSpec, NodeAccess, NodeDocker
 
 pytestmark = pytest.mark.integration
 

@@ -51,20 +51,18 @@ from vllm_redeploy.config import (
     load_config,
 )
 from vllm_redeploy.dry_run import plan_lines
-from vllm_redeploy.nodes import SSHRunner
-from vllm_redeploy.nodes.docker import node_docker_for
-from vllm_redeploy.nodes.result import render_command
-from vllm_redeploy.plan import (
-    PER_NODE_VARS,
-    container_argv,
-    engine_container,
+from vllm_redeploy.launch.fingerprint import launch_fingerprint
+from vllm_redeploy.launch.group import PER_NODE_VARS, container_argv, engine_container
+from vllm_redeploy.launch.ray import (
     engine_spec,
-    launch_fingerprint,
     ray_container,
     ray_spec,
     ray_start_args,
     vllm_serve_args,
 )
+from vllm_redeploy.nodes import SSHRunner
+from vllm_redeploy.nodes.docker import node_docker_for
+from vllm_redeploy.nodes.result import render_command
 from vllm_redeploy.probe import run_probe
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,7 +16,8 @@ from tests.conftest import make_bed
 from tests.testbed import image
 from tests.testbed.bed import SERVED_NAME, TestBed, bed_ip
 from vllm_redeploy.config import load_config
-from vllm_redeploy.plan import engine_container, ray_container
+from vllm_redeploy.launch.group import engine_container
+from vllm_redeploy.launch.ray import ray_container
 from vllm_redeploy.probe import run_probe
 
 pytestmark = pytest.mark.integration

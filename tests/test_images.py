@@ -23,24 +23,22 @@ from tests.conftest import make_bed
 from tests.testbed import image
 from tests.testbed.bed import SERVED_NAME, TestBed
 from tests.testbed.procs import free_port
-from vllm_redeploy import plan
 from vllm_redeploy.config import ClusterConfig, load_config
 from vllm_redeploy.dry_run import plan_lines
-from vllm_redeploy.nodes import NodeAccess
-from vllm_redeploy.nodes.docker import ContainerSpec, cluster_labels
-from vllm_redeploy.plan import (
+from vllm_redeploy.launch import fingerprint
+from vllm_redeploy.launch.fingerprint import launch_fingerprint
+from vllm_redeploy.launch.group import container_argv, engine_container, split_argv
+from vllm_redeploy.launch.ray import (
     RAY_CHECK_ARGV,
-    container_argv,
-    engine_container,
     engine_spec,
-    launch_fingerprint,
     ray_check_spec,
     ray_container,
     ray_spec,
     ray_start_args,
-    split_argv,
     vllm_serve_args,
 )
+from vllm_redeploy.nodes import NodeAccess
+from vllm_redeploy.nodes.docker import ContainerSpec, cluster_labels
 from vllm_redeploy.probe import run_probe
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "cluster.example.toml"
@@ -93,13 +91,13 @@ def test_a_cluster_launched_without_entrypoint_is_not_taken_for_current(
     `ensure` redeploys a cluster started before explicit entrypoints."""
     config = example(tmp_path, interfaces_differ=False)
     current = launch_fingerprint(config)
-    explicit = plan.engine_spec
+    explicit = fingerprint.engine_spec
 
     def old_shape(config: ClusterConfig) -> ContainerSpec:
         spec = explicit(config)
         return replace(spec, entrypoint=None, command=container_argv(spec))
 
-    monkeypatch.setattr(plan, "engine_spec", old_shape)
+    monkeypatch.setattr(fingerprint, "engine_spec", old_shape)
     assert launch_fingerprint(config) != current
 
 

@@ -1,7 +1,8 @@
 """vLLM's own multi-node launcher, end to end (issue 15): the flow on beds whose image carries no
 Ray (the stand-in implements `--nnodes/--node-rank/--master-addr/--headless` with a real TCP
 rendezvous), `auto` choosing the backend from the image, the failures a follower can cause, and
-`ensure` and `status` reading the backend from what runs."""
+`ensure` and `status` reading the backend from what runs; and a toy third backend, to show that
+one is a plan and a line in vllm_redeploy/launch/choose.py."""
 
 from __future__ import annotations
 
@@ -11,19 +12,25 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import tasks.preflight
 from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import keep_for_notes, make_bed
 from tests.testbed import image
 from tests.testbed.bed import TestBed
-from vllm_redeploy.config import load_config
+from vllm_redeploy.config import ClusterConfig, load_config
+from vllm_redeploy.dry_run import launch_lines
+from vllm_redeploy.launch import LaunchPlan, NodeFabric, Phase, plan_for
+from vllm_redeploy.launch import mp as mp_launch
+from vllm_redeploy.launch.choose import BACKENDS
+from vllm_redeploy.launch.group import LABEL_BACKEND
 from vllm_redeploy.nodes.docker import LABEL_MANAGED
-from vllm_redeploy.plan import LABEL_BACKEND
 from vllm_redeploy.status import collect_status
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -216,3 +223,48 @@ def test_ensure_and_status_read_the_backend_from_what_runs(mp_bed: TestBed) -> N
     )
     report = json.loads(shown.stdout)
     assert shown.returncode == 0 and report["backend"] == "mp", report["problems"]
+
+
+def together_plan(
+    config: ClusterConfig, fabric: Mapping[str, NodeFabric] | None = None, reason: str = ""
+) -> LaunchPlan:
+    """A toy third backend: vLLM's own launcher with every rank started in one step."""
+    base = mp_launch.plan(config, fabric, reason)
+    members = tuple(
+        replace(m, phase=0, spec=replace(m.spec, labels={**m.spec.labels, LABEL_BACKEND: "all"}))
+        for m in base.members
+    )
+    return replace(base, backend="all", phases=(Phase("launch-group"),), members=members)
+
+
+def test_a_third_backend_is_a_plan_and_a_line_in_choose(
+    mp_bed: TestBed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Registered in BACKENDS and chosen (the config's `backend` would name it), a plan nobody
+    else knows is launched by the flow, watched by wait-ready, judged by status and ensure and
+    printed by the dry run: none of them asks which backend it is."""
+    monkeypatch.setitem(BACKENDS, "all", together_plan)
+    monkeypatch.setattr(tasks.preflight, "choose", lambda config, ray_path: ("all", "all (toy)"))
+    path = cluster(mp_bed, 2, "together")
+    state = redeploy_vllm_cluster(str(path), return_state=True)
+    assert state.is_completed(), state.result(raise_on_failure=False)
+    result = state.result()
+    steps = list(result["steps"])
+    assert steps[steps.index("ports-free") + 1 :] == [
+        "launch-group",
+        "wait-ready",
+        "transport",
+        "probe",
+    ]
+    assert "- backend all (toy)" in result["summary"]
+    with contextlib.closing(mp_bed.nodes[1].engine.client()) as client:
+        assert client.containers.get("vllm-redeploy-bed-follower").labels[LABEL_BACKEND] == "all"
+    config = load_config(path, env_file=None)
+    status = collect_status(config)
+    assert status.healthy and status.backend == "all", status.problems
+    with contextlib.closing(mp_bed.nodes[1].engine.client()) as client:
+        client.containers.get("vllm-redeploy-bed-follower").kill()
+    problems = collect_status(config).problems
+    assert "the vLLM follower on node-2 is not running" in problems, problems
+    lines = launch_lines(config, plan_for("all", config, why="all (toy)"))
+    assert lines[:2] == ["\n[launch] backend all (toy)", "  step launch-group"], lines

@@ -8,16 +8,10 @@ from pathlib import Path
 import pytest
 
 from vllm_redeploy.config import ClusterConfig, load_config
+from vllm_redeploy.launch.fingerprint import launch_fingerprint
+from vllm_redeploy.launch.group import NodeFabric, container_argv
+from vllm_redeploy.launch.ray import engine_spec, parse_members, ray_spec, vllm_serve_args
 from vllm_redeploy.parsers.vllm_log import last_load_progress
-from vllm_redeploy.plan import (
-    NodeFabric,
-    container_argv,
-    engine_spec,
-    launch_fingerprint,
-    parse_members,
-    ray_spec,
-    vllm_serve_args,
-)
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "cluster.example.toml"
 

@@ -130,8 +130,8 @@ def test_a_killed_leader_leaves_its_follower_up_until_a_recovery_replaces_both(
         problems = event[0]["payload"]["problems"]
         assert "the vLLM leader (rank 0) on node-1 is not running" in problems, problems
         assert (
-            "the vLLM follower on node-2 still runs without its leader: it cannot join a new "
-            "one; the next run (or ensure) replaces the whole group" in problems
+            "the vLLM follower on node-2 still runs without the vLLM leader (rank 0), and cannot "
+            "join a new one; the next run (or ensure) replaces the whole group" in problems
         ), problems
         runs = wait_for(lambda: finished(ctl.runs("recover"))[before:], 300, "the recovery run")
         recovered = time.monotonic() - killed

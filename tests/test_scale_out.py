@@ -53,8 +53,9 @@ from tests.testbed.procs import (
     spawn,
     wait_until,
 )
+from vllm_redeploy.launch.group import ENGINE_ROLE
+from vllm_redeploy.launch.ray import RAY_ROLE
 from vllm_redeploy.names import container_name, lock_name
-from vllm_redeploy.plan import ENGINE_ROLE, RAY_ROLE
 
 NO_POSTGRES = unavailable()
 pytestmark = [

@@ -43,8 +43,8 @@ from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import make_bed
 from tests.testbed.bed import TestBed
 from vllm_redeploy.config import load_config
+from vllm_redeploy.launch.group import engine_container
 from vllm_redeploy.nodes import NodeAccess
-from vllm_redeploy.plan import engine_container
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 

@@ -21,9 +21,10 @@ from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import make_bed
 from tests.testbed.bed import SERVED_NAME, TestBed, bed_ip
 from vllm_redeploy.config import NodeConfig, load_config
+from vllm_redeploy.launch.group import engine_container
+from vllm_redeploy.launch.mp import follower_container
+from vllm_redeploy.launch.ray import ray_container
 from vllm_redeploy.nodes import NodeAccess
-from vllm_redeploy.plan import engine_container, ray_container
-from vllm_redeploy.plan_mp import follower_container
 from vllm_redeploy.status import (
     ContainerStatus,
     EndpointStatus,
@@ -277,8 +278,8 @@ def test_a_follower_without_its_leader_is_named() -> None:
     follower = node(worker, "worker", follower_container(config))
     endpoint = EndpointStatus("http://x/v1", "m", None, "refused", None, None, None)
     orphaned = (
-        f"the vLLM follower on {worker.name} still runs without its leader: it cannot join a "
-        "new one; the next run (or ensure) replaces the whole group"
+        f"the vLLM follower on {worker.name} still runs without the vLLM leader (rank 0), and "
+        "cannot join a new one; the next run (or ensure) replaces the whole group"
     )
     alone = judge(config, [node(head, "head"), follower], RayStatus(), endpoint)
     assert orphaned in alone, alone

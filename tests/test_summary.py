@@ -26,9 +26,9 @@ from tasks.stop_autostart import StopReport
 from tests.test_probe import THINKING, completion
 from tests.testbed.procs import free_port
 from vllm_redeploy.gpus import GpuReport
+from vllm_redeploy.launch.ray import RayMember
 from vllm_redeploy.parsers.nvidia_smi import GPU_FIELDS, parse_compute_apps, parse_gpus
 from vllm_redeploy.parsers.vllm_log import LoadProgress
-from vllm_redeploy.plan import RayMember
 from vllm_redeploy.probe import judge
 from vllm_redeploy.summary import (
     RunSummary,

@@ -16,13 +16,13 @@ import pytest
 from tests.testbed import image
 from tests.testbed.bed import TestBed, bed_ip
 from vllm_redeploy.config import ClusterConfig, load_config
+from vllm_redeploy.launch.ray import ray_container, ray_spec
 from vllm_redeploy.nodes import (
     ContainerSpec,
     HostKeyRejected,
     NodeAccess,
 )
 from vllm_redeploy.nodes.docker import LABEL_CLUSTER
-from vllm_redeploy.plan import ray_container, ray_spec
 
 pytestmark = pytest.mark.integration
 

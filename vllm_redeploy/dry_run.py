@@ -7,14 +7,20 @@ from dataclasses import dataclass
 
 from vllm_redeploy.config import ClusterConfig, NodeConfig
 from vllm_redeploy.endpoint import api_base
+from vllm_redeploy.launch import LaunchPlan, NodeFabric, candidates, container_argv, plan_for
+from vllm_redeploy.launch.choose import AUTO, AUTO_NOTE
 from vllm_redeploy.memory import DROP_SCRIPT
 from vllm_redeploy.nodes import NodeAccess, RemoteError, fan_out, render_command
 from vllm_redeploy.nodes.docker import ContainerInfo, ContainerSpec, cluster_labels
 from vllm_redeploy.parsers.fabric import FABRIC_ARGV, FabricFacts, parse_fabric
 from vllm_redeploy.parsers.nvidia_smi import COMPUTE_APPS_ARGV, GPUS_ARGV
-from vllm_redeploy.plan import LaunchPlan, NodeFabric, container_argv, ray_plan
-from vllm_redeploy.plan_mp import mp_plan
 from vllm_redeploy.safe_text import one_line, shown
+
+# What a phase waits for once its containers are started, in words.
+SETTLED = {
+    "ray-head-up": "`ray start` reports the head up",
+    "ray-members": "Ray sees every node at its fabric IP, with its GPUs",
+}
 
 
 @dataclass(frozen=True)
@@ -52,21 +58,10 @@ def plan_lines(config: ClusterConfig, inspect_nodes: bool = True) -> list[str]:
     lines = [f"cluster {config.name}: dry run, nothing is changed"]
     for node in config.nodes:
         lines += _node_lines(config, node, seen.get(node.name), fabric.get(node.name))
-    backend = config.vllm.backend
-    plans = []
-    if backend in ("auto", "ray"):
-        why = "configured" if backend == "ray" else "if the image carries Ray"
-        plans.append(ray_plan(config, fabric, f"ray ({why})"))
-    if backend in ("auto", "mp"):
-        why = "configured" if backend == "mp" else "if the image carries no Ray"
-        plans.append(mp_plan(config, fabric, f"mp ({why}; vLLM's own multi-node launcher)"))
-    if backend == "auto":
-        lines.append(
-            "\nbackend auto: a one-shot container of the image decides when the run starts "
-            "(ray if Ray runs in it, else mp); both launches follow"
-        )
-    for plan in plans:
-        lines += _launch_lines(config, plan)
+    if config.vllm.backend == AUTO:
+        lines.append(f"\n{AUTO_NOTE}")
+    for backend, why in candidates(config):
+        lines += launch_lines(config, plan_for(backend, config, fabric, why))
     lines.append(
         f"\nwait up to {config.deadlines.model_load_s:g} s until {api_base(config)}/v1/models "
         f"lists {config.vllm.served_name}; then prove NCCL's transport between the nodes"
@@ -120,18 +115,23 @@ def _fabric(facts: FabricFacts, fabric: NodeFabric | None) -> str:
     )
 
 
-def _launch_lines(config: ClusterConfig, plan: LaunchPlan) -> list[str]:
+def launch_lines(config: ClusterConfig, plan: LaunchPlan) -> list[str]:
     secrets = config.secret_values()
     lines = [f"\n[launch] backend {plan.reason}"]
-    for member in sorted(plan.members, key=lambda m: m.phase):
-        spec = member.spec
-        api = ", serves the API" if member.serves_api else ""
-        lines.append(f"  phase {member.phase}, {member.role} on {member.node}{api}:")
-        lines.append(
-            f"  start container {spec.name} ({spec.image}): "
-            f"{render_command(container_argv(spec), secrets)}"
-        )
-        lines += _options(spec, secrets)
+    for index, phase in enumerate(plan.phases):
+        settles = "" if phase.settle == "started" else f", then wait: {SETTLED[phase.settle]}"
+        lines.append(f"  step {phase.step}{settles}")
+        for member in plan.phase(index):
+            spec = member.spec
+            api = ", serves the API" if member.serves_api else ""
+            lines.append(f"  {member.role} on {member.node}{api}:")
+            lines.append(
+                f"  start container {spec.name} ({spec.image}): "
+                f"{render_command(container_argv(spec), secrets)}"
+            )
+            lines += _options(spec, secrets)
+    ports = ", ".join(f"{words} {port}" for port, words in plan.ports)
+    lines.append(f"  the head's ports must be free first: {ports}")
     return lines
 
 

@@ -20,28 +20,31 @@ import httpx
 from vllm_redeploy.config import ClusterConfig, NodeConfig
 from vllm_redeploy.endpoint import api_base, engine_version, list_models
 from vllm_redeploy.gpus import inspect_gpus
-from vllm_redeploy.nodes import NodeAccess, RemoteError, fan_out
-from vllm_redeploy.nodes.docker import LABEL_ROLE, cluster_labels
-from vllm_redeploy.plan import (
+from vllm_redeploy.launch import (
     ENGINE_ROLE,
     LABEL_BACKEND,
     LABEL_LAUNCH,
-    Backend,
-    RayMember,
+    LaunchPlan,
+    assumed,
     engine_container,
-    launch_fingerprint,
+    plan_for,
+)
+from vllm_redeploy.launch.choose import BACKENDS
+from vllm_redeploy.launch.ray import (
+    RayMember,
     membership_problems,
     parse_members,
     ray_container,
     ray_members_argv,
 )
-from vllm_redeploy.plan_mp import FOLLOWER_ROLE, LEADER_ROLE, follower_container
+from vllm_redeploy.names import container_name
+from vllm_redeploy.nodes import NodeAccess, RemoteError, fan_out
+from vllm_redeploy.nodes.docker import LABEL_ROLE, cluster_labels
 from vllm_redeploy.probe import ProbeVerdict, run_probe
 from vllm_redeploy.safe_text import one_line, shown
 from vllm_redeploy.transport import TransportVerdict, judge_nodes
 
 HTTP_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
-API_ROLES = (ENGINE_ROLE, LEADER_ROLE)
 RAY_TIMEOUT_S = 60.0
 
 
@@ -116,12 +119,10 @@ class ClusterStatus:
 
     @property
     def engine(self) -> ContainerStatus | None:
-        """The container that serves the API (the engine, or the mp leader)."""
-        for node in self.nodes:
-            for c in node.containers:
-                if c.role in API_ROLES:
-                    return c
-        return None
+        """The container that serves the API (the engine, or the mp leader): the engine's name
+        on every backend."""
+        name = container_name(self.cluster, ENGINE_ROLE)
+        return next((c for n in self.nodes for c in n.containers if c.name == name), None)
 
     @property
     def backend(self) -> str | None:
@@ -199,15 +200,18 @@ def _node_status(
         status = NodeStatus(
             node.name, node.address, node.ip, role, True, rtt_ms, None, containers, gpu
         )
-        return status, ray, [] if quick else _rank_logs(access, containers)
+        return status, ray, [] if quick else _rank_logs(access, config, containers)
 
 
-def _rank_logs(access: NodeAccess, containers: list[ContainerStatus]) -> list[str]:
-    """Whole logs of the running containers whose ranks log NCCL's choice (with Ray the
-    engine's holds every node's; with mp each node's leader or follower its own)."""
+def _rank_logs(
+    access: NodeAccess, config: ClusterConfig, containers: list[ContainerStatus]
+) -> list[str]:
+    """Whole logs of the running containers whose ranks log NCCL's choice (the plan of what
+    runs says which: with Ray the engine's holds every node's)."""
+    rank_logs = {m.spec.name for m in running_plan(config, [containers]).rank_logs}
     logs = []
     for c in containers:
-        if c.running and c.role in (*API_ROLES, FOLLOWER_ROLE):
+        if c.running and c.name in rank_logs:
             with contextlib.suppress(RemoteError):
                 logs.append(access.docker.logs_tail(c.name, "all"))
     return logs
@@ -290,7 +294,7 @@ def judge(
     """What keeps the deployment from being whole, healthy and as configured (empty: healthy)."""
     problems = []
     engine_name = engine_container(config)
-    backend = running_backend(config, nodes)
+    plan = running_plan(config, [n.containers for n in nodes])
     for node in nodes:
         if not node.reachable:
             problems.append(f"{node.name} is unreachable: {node.error}")
@@ -299,17 +303,17 @@ def judge(
             problems.append(node.error)
             continue
         running = {c.name for c in node.containers if c.running}
-        for name, what in expected_containers(config, backend, node.role == "head"):
-            if name not in running:
-                problems.append(f"{what} on {node.name} is not running")
+        for member in plan.on(node.name):
+            if member.spec.name not in running:
+                problems.append(f"{member.what} on {node.name} is not running")
         engine = next((c for c in node.containers if c.name == engine_name and c.running), None)
-        if engine is not None and engine.launch != launch_fingerprint(config):
+        if engine is not None and engine.launch != plan.fingerprint:
             problems.append(
                 f"the engine on {node.name} runs with other settings than the configuration's "
                 "(it changed since the launch)"
             )
-    if backend == "mp":
-        problems += _orphaned_followers(config, nodes)
+    if plan.rendezvous_port is not None:
+        problems += _orphans(config, plan, nodes)
     problems += ray.problems
     if endpoint.models is None:
         problems.append(f"{endpoint.url}/models does not answer: {endpoint.models_error}")
@@ -323,44 +327,29 @@ def judge(
     return problems
 
 
-def _orphaned_followers(config: ClusterConfig, nodes: list[NodeStatus]) -> list[str]:
-    """mp: followers that run on without their leader. vLLM's followers do not exit when the
-    leader dies (vllm#32136) and cannot join a new one: left alone they hold their GPUs."""
-    leader, follower = engine_container(config), follower_container(config)
+def _orphans(config: ClusterConfig, plan: LaunchPlan, nodes: list[NodeStatus]) -> list[str]:
+    """Members that run on without the member that serves the API, in a group that meets at a
+    rendezvous: vLLM's mp followers do not exit when the leader dies (vllm#32136) and cannot
+    join a new one, so left alone they hold their GPUs."""
     running = {(n.name, c.name) for n in nodes for c in n.containers if c.running}
-    head_seen = any(n.name == config.head.name and n.reachable and not n.error for n in nodes)
-    if not head_seen or (config.head.name, leader) in running:
+    api = plan.api
+    head_seen = any(n.name == api.node and n.reachable and not n.error for n in nodes)
+    if not head_seen or (api.node, api.spec.name) in running:
         return []
     return [
-        f"the vLLM follower on {name} still runs without its leader: it cannot join a new one; "
-        "the next run (or ensure) replaces the whole group"
-        for name, container in sorted(running)
-        if container == follower
+        f"{m.what} on {m.node} still runs without {api.what}, and cannot join a new one; the "
+        "next run (or ensure) replaces the whole group"
+        for m in plan.members
+        if (m.node, m.spec.name) in running
     ]
 
 
-def running_backend(config: ClusterConfig, nodes: list[NodeStatus]) -> Backend:
-    """The backend of what runs (its containers' label); with nothing of ours running, the
-    configured one (auto counts as ray, the backend our first users' images take)."""
-    for node in nodes:
-        for c in node.containers:
-            if c.backend in ("ray", "mp"):
-                return c.backend  # type: ignore[return-value]
-    return "mp" if config.vllm.backend == "mp" else "ray"
-
-
-def expected_containers(
-    config: ClusterConfig, backend: Backend, head: bool
-) -> list[tuple[str, str]]:
-    """(container, what it is in words) that must run on a node for the group to be whole."""
-    if backend == "mp":
-        if head:
-            return [(engine_container(config), "the vLLM leader (rank 0)")]
-        return [(follower_container(config), "the vLLM follower")]
-    expected = [(ray_container(config), "the Ray container")]
-    if head:
-        expected.append((engine_container(config), "the vLLM engine"))
-    return expected
+def running_plan(config: ClusterConfig, containers: list[list[ContainerStatus]]) -> LaunchPlan:
+    """The plan of what runs, by its containers' backend label; with nothing of ours running,
+    the configured backend's."""
+    labels = (c.backend for found in containers for c in found)
+    backend = next((b for b in labels if b in BACKENDS), assumed(config))
+    return plan_for(backend, config)
 
 
 def duration(seconds: float | None) -> str:

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from vllm_redeploy.gpus import GpuReport
+from vllm_redeploy.launch.ray import RayMember
 from vllm_redeploy.parsers.vllm_log import LoadProgress
-from vllm_redeploy.plan import RayMember
 from vllm_redeploy.probe import ProbeVerdict
 from vllm_redeploy.safe_text import fenced, one_line
 from vllm_redeploy.transport import TransportVerdict

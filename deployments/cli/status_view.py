@@ -22,7 +22,7 @@ from deployments.cli.common import (
     markup_safe,
     out,
 )
-from vllm_redeploy.plan import RayMember
+from vllm_redeploy.launch.ray import RayMember
 from vllm_redeploy.safe_text import for_terminal, one_line
 from vllm_redeploy.status import ClusterStatus, GpuStatus, NodeStatus, collect_status, duration
 

@@ -1,4 +1,4 @@
-"""The mp backend's launch plan: vLLM's own multi-node launcher, no Ray.
+"""The mp backend: vLLM's own multi-node launcher, no Ray.
 
 Every node runs `vllm serve` with the same model and parallel sizes plus ``--nnodes N
 --node-rank r --master-addr <head fabric IP> --master-port P``; ranks above 0 add
@@ -6,12 +6,12 @@ Every node runs `vllm serve` with the same model and parallel sizes plus ``--nno
 worker hosts the rendezvous (a TCP store on the master port, all addresses) and it serves the
 API once every rank has joined and the weights are loaded.
 
-Launch order: the followers first (phase 0), then the leader (phase 1). A follower retries its
-connection to the master port until the rendezvous deadline (vLLM's, 600 s unless
+Launch order: the followers first, then the leader. A follower retries its connection to the
+master port until the rendezvous deadline (vLLM's, 600 s unless
 ``--distributed-timeout-seconds``; a follower that cannot connect is named by wait-ready much
-sooner, from the leader's open connections), so starting them first costs nothing, and the
-leader's rendezvous completes as soon as it is up (the order vLLM's docs and the community Spark
-launcher use).
+sooner, from its own open connections), so starting them first costs nothing, and the leader's
+rendezvous completes as soon as it is up (the order vLLM's docs and the community Spark launcher
+use). A follower never joins a new leader: the group is always started and removed whole.
 """
 
 from __future__ import annotations
@@ -19,29 +19,47 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from vllm_redeploy.config import ClusterConfig, NodeConfig
+from vllm_redeploy.launch.group import ENGINE_ROLE, NodeFabric, group_spec, node_env, serve_args
+from vllm_redeploy.launch.plan import LaunchPlan, Member, Phase
 from vllm_redeploy.names import container_name
-from vllm_redeploy.nodes.docker import ContainerSpec, project_labels
-from vllm_redeploy.plan import (
-    ENGINE_ROLE,
-    LABEL_BACKEND,
-    LaunchPlan,
-    Member,
-    NodeFabric,
-    gpus_request,
-    model_mounts,
-    node_env,
-    rdma_options,
-    serve_args,
-    split_argv,
-    stamped_plan,
-)
+from vllm_redeploy.nodes.docker import ContainerSpec
 
+BACKEND = "mp"
 LEADER_ROLE = "leader"
 FOLLOWER_ROLE = "follower"
 
 
 def follower_container(config: ClusterConfig) -> str:
     return container_name(config.name, FOLLOWER_ROLE)
+
+
+def plan(
+    config: ClusterConfig, fabric: Mapping[str, NodeFabric] | None = None, reason: str = ""
+) -> LaunchPlan:
+    """A follower on every node but the head, then the leader on the head: two steps."""
+    fabric = fabric or {}
+    phases = (Phase("launch-followers"), Phase("launch-leader"))
+    members = [
+        Member(
+            n.name, FOLLOWER_ROLE, 0, mp_spec(n, config, fabric.get(n.name)), "the vLLM follower"
+        )
+        for n in config.workers
+    ]
+    head = config.head
+    leader = mp_spec(head, config, fabric.get(head.name))
+    members.append(Member(head.name, LEADER_ROLE, 1, leader, "the vLLM leader (rank 0)", True))
+    ports = [(config.vllm.port, "API port")]
+    if len(config.nodes) > 1:
+        ports.append((config.vllm.master_port, "rendezvous (master) port"))
+    return LaunchPlan(
+        BACKEND,
+        reason,
+        phases,
+        tuple(members),
+        tuple(ports),
+        rendezvous_port=config.vllm.master_port if len(config.nodes) > 1 else None,
+        fabric=dict(fabric),
+    )
 
 
 def mp_serve_args(node: NodeConfig, config: ClusterConfig) -> list[str]:
@@ -67,7 +85,6 @@ def mp_spec(
     node: NodeConfig, config: ClusterConfig, fabric: NodeFabric | None = None
 ) -> ContainerSpec:
     leader = node is config.head
-    role = LEADER_ROLE if leader else FOLLOWER_ROLE
     # Ray's settings mean nothing here (no Ray runs), unless the operator set them.
     env = {
         k: v
@@ -76,33 +93,13 @@ def mp_spec(
     }
     if leader and config.secrets.hf_token is not None:
         env["HF_TOKEN"] = config.secrets.hf_token.get_secret_value()
-    entrypoint, command = split_argv(mp_serve_args(node, config))
-    return ContainerSpec(
+    return group_spec(
+        config,
         # The leader keeps the engine's name: it is the API server, as the Ray backend's engine.
         name=container_name(config.name, ENGINE_ROLE if leader else FOLLOWER_ROLE),
-        image=config.vllm.image,
-        entrypoint=entrypoint,
-        command=command,
+        role=LEADER_ROLE if leader else FOLLOWER_ROLE,
+        backend=BACKEND,
+        argv=mp_serve_args(node, config),
         env=env,
-        volumes=model_mounts(config),
-        labels={**project_labels(config.name, role), LABEL_BACKEND: "mp"},
-        shm_size=config.vllm.shm_size,
-        gpus=gpus_request(config),
-        **rdma_options(config, fabric),  # type: ignore[arg-type]
+        fabric=fabric,
     )
-
-
-def mp_plan(
-    config: ClusterConfig, fabric: Mapping[str, NodeFabric] | None = None, reason: str = ""
-) -> LaunchPlan:
-    """A follower on every node but the head (phase 0), then the leader on the head (phase 1)."""
-    fabric = fabric or {}
-    members = [
-        Member(n.name, FOLLOWER_ROLE, 0, mp_spec(n, config, fabric.get(n.name)))
-        for n in config.workers
-    ]
-    head = config.head
-    members.append(
-        Member(head.name, LEADER_ROLE, 1, mp_spec(head, config, fabric.get(head.name)), True)
-    )
-    return stamped_plan("mp", reason, members, config, fabric)

@@ -1,0 +1,41 @@
+"""How the group is launched: one ``LaunchPlan`` shape (plan.py), what every backend's
+containers share (group.py), the backends (ray.py, mp.py), and the one rule that picks one
+(choose.py)."""
+
+from vllm_redeploy.launch.choose import (
+    asks_the_image,
+    assumed,
+    candidates,
+    choose,
+    plan_for,
+)
+from vllm_redeploy.launch.fingerprint import launch_fingerprint
+from vllm_redeploy.launch.group import (
+    ENGINE_ROLE,
+    LABEL_BACKEND,
+    LABEL_LAUNCH,
+    NodeFabric,
+    container_argv,
+    engine_container,
+    node_env,
+)
+from vllm_redeploy.launch.plan import LaunchPlan, Member, Phase
+
+__all__ = [
+    "ENGINE_ROLE",
+    "LABEL_BACKEND",
+    "LABEL_LAUNCH",
+    "LaunchPlan",
+    "Member",
+    "NodeFabric",
+    "Phase",
+    "asks_the_image",
+    "assumed",
+    "candidates",
+    "choose",
+    "container_argv",
+    "engine_container",
+    "launch_fingerprint",
+    "node_env",
+    "plan_for",
+]

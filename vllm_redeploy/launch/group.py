@@ -1,0 +1,182 @@
+"""What every launch backend's containers share: names and labels, the environment (NCCL's
+transport log, the fabric's interfaces and HCAs, the IP vLLM must use), the RDMA options, the
+model mounts and `vllm serve`'s common arguments."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vllm_redeploy.config import ClusterConfig, NodeConfig
+from vllm_redeploy.names import container_name
+from vllm_redeploy.nodes.docker import ContainerSpec, project_labels
+from vllm_redeploy.parsers.fabric import FabricFacts
+
+LABEL_LAUNCH = "io.vllm-redeploy.launch"
+LABEL_BACKEND = "io.vllm-redeploy.backend"
+# The container that serves the API keeps this role's name on every backend.
+ENGINE_ROLE = "engine"
+# The RDMA devices NCCL opens (the uverbs nodes under it), as NVIDIA's containers get them.
+RDMA_DEVICES = "/dev/infiniband"
+PER_NODE_VARS = (
+    "NCCL_SOCKET_IFNAME",
+    "GLOO_SOCKET_IFNAME",
+    "TP_SOCKET_IFNAME",
+    "UCX_NET_DEVICES",
+    "NCCL_IB_HCA",
+)
+
+
+def engine_container(config: ClusterConfig) -> str:
+    """The container that serves the API (the Ray engine, the mp leader)."""
+    return container_name(config.name, ENGINE_ROLE)
+
+
+@dataclass(frozen=True)
+class NodeFabric:
+    """What a node's fabric discovery (preflight) means for its containers."""
+
+    rdma: bool = False  # its containers get the RDMA devices, IPC_LOCK and the ulimits
+    ib_hca: str | None = None  # NCCL_IB_HCA: every ACTIVE HCA of the fabric port's twins
+    socket_ifnames: tuple[str, ...] = ()  # the interface owning the fabric IP (and its twins)
+    hcas: tuple[str, ...] = ()  # the ACTIVE HCAs (name:port), for people to read
+
+    @classmethod
+    def of(cls, facts: FabricFacts, node: NodeConfig, config: ClusterConfig) -> NodeFabric:
+        hcas = tuple(f"{h.name}:{h.port}" for h in facts.nccl_hcas)
+        wanted = bool(node.ib_hcas or hcas)
+        rdma = config.fabric.rdma == "auto" and wanted and bool(facts.rdma_devices)
+        return cls(rdma, facts.nccl_ib_hca, facts.socket_ifnames, hcas)
+
+
+def node_env(
+    node: NodeConfig, config: ClusterConfig, fabric: NodeFabric | None = None
+) -> dict[str, str]:
+    """Environment of a node's containers: NCCL's transport log and Ray's defaults for unified
+    memory, then the fabric interfaces and HCAs found on the node, then [vllm.env], then the
+    node's configured interfaces and HCAs, then the IP vLLM must use."""
+    fabric = fabric or NodeFabric()
+    env = {
+        # NCCL says which transport it chose (checked after every launch); kept short.
+        "NCCL_DEBUG": "INFO",
+        "NCCL_DEBUG_SUBSYS": "INIT,NET",
+        # Every rank's lines reach the engine's log: Ray would fold the workers' look-alike ones.
+        "RAY_DEDUP_LOGS": "0",
+        "PYTHONUNBUFFERED": "1",
+        **_ray_memory_env(config),
+    }
+    if "NCCL_DEBUG" in config.vllm.env:  # the operator's own NCCL logging
+        del env["NCCL_DEBUG_SUBSYS"]
+    if fabric.socket_ifnames:
+        env |= dict.fromkeys(PER_NODE_VARS[:4], ",".join(fabric.socket_ifnames))
+        # Gloo wants the same number of interfaces in every process, and twins are up on one
+        # node and down on another: the fabric IP's own interface alone, as NVIDIA's playbook.
+        env["GLOO_SOCKET_IFNAME"] = fabric.socket_ifnames[0]
+    if fabric.ib_hca:
+        env["NCCL_IB_HCA"] = fabric.ib_hca
+    env.update(config.vllm.env)
+    if node.fabric_interfaces:
+        env |= dict.fromkeys(PER_NODE_VARS[:4], ",".join(node.fabric_interfaces))
+    if node.ib_hcas:
+        env["NCCL_IB_HCA"] = ",".join(node.ib_hcas)
+    env["VLLM_HOST_IP"] = node.ip
+    return env
+
+
+def _ray_memory_env(config: ClusterConfig) -> dict[str, str]:
+    """Ray's defaults that do harm on unified memory, turned off unless configured on."""
+    env = {}
+    if not config.ray.memory_monitor:
+        env["RAY_memory_monitor_refresh_ms"] = "0"
+    if not config.ray.prestart_workers:
+        env["RAY_enable_worker_prestart"] = "0"
+        env["RAY_prestart_worker_first_driver"] = "0"
+    return env
+
+
+def rdma_options(config: ClusterConfig, fabric: NodeFabric | None) -> dict[str, object]:
+    """What a container needs to open the node's HCAs (NCCL falls back to TCP without it):
+    the devices, IPC_LOCK, an unlimited memlock and NVIDIA's stack limit. Nodes without RDMA
+    get none of it; ``privileged`` only when configured."""
+    options: dict[str, object] = {"privileged": config.fabric.privileged}
+    if fabric is not None and fabric.rdma:
+        options |= {
+            "devices": [RDMA_DEVICES],
+            "cap_add": ["IPC_LOCK"],
+            "ulimits": {
+                "memlock": config.fabric.memlock_bytes,
+                "stack": config.fabric.stack_bytes,
+            },
+        }
+    return options
+
+
+def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(entrypoint, command) that make a container run exactly ``argv``, whatever the image.
+
+    Docker appends a container's command to the image's ENTRYPOINT: `vllm/vllm-openai` declares
+    ``["vllm", "serve"]``, so ``ray start`` alone would run as ``vllm serve ray start``; NGC
+    images start a banner script. So every container we start names its program itself.
+    """
+    if not argv:
+        raise ValueError("a container needs a program to run")
+    return [argv[0]], list(argv[1:])
+
+
+def container_argv(spec: ContainerSpec) -> list[str]:
+    """What runs in a container of ours: its entrypoint, then its command."""
+    return [*(spec.entrypoint or ()), *spec.command]
+
+
+def model_mounts(config: ClusterConfig) -> list[str]:
+    return [f"{config.vllm.model}:{config.vllm.model}:ro", *config.vllm.volumes]
+
+
+def group_spec(
+    config: ClusterConfig,
+    *,
+    name: str,
+    role: str,
+    backend: str,
+    argv: Sequence[str],
+    env: dict[str, str],
+    fabric: NodeFabric | None,
+    volumes: list[str] | None = None,
+    **docker: object,
+) -> ContainerSpec:
+    """A container of the group: the configured image running exactly ``argv``, labelled with
+    its role and backend, with the model mounted, the GPUs, shared memory and RDMA options."""
+    entrypoint, command = split_argv(argv)
+    return ContainerSpec(
+        name=name,
+        image=config.vllm.image,
+        entrypoint=entrypoint,
+        command=command,
+        env=env,
+        volumes=model_mounts(config) if volumes is None else volumes,
+        labels={**project_labels(config.name, role), LABEL_BACKEND: backend},
+        shm_size=config.vllm.shm_size,
+        gpus=-1 if config.vllm.gpu_device_request else None,
+        **rdma_options(config, fabric),  # type: ignore[arg-type]
+        **docker,  # type: ignore[arg-type]
+    )
+
+
+def serve_args(config: ClusterConfig, executor: str | None = None) -> list[str]:
+    """`vllm serve` with what every backend passes; the configured extra arguments not yet."""
+    v = config.vllm
+    args = ["vllm", "serve", v.model]
+    args += ["--tensor-parallel-size", str(v.tensor_parallel_size)]
+    args += ["--pipeline-parallel-size", str(v.pipeline_parallel_size)]
+    if executor:
+        args += ["--distributed-executor-backend", executor]
+    args += ["--host", v.host, "--port", str(v.port)]
+    if v.served_model_name:
+        args += ["--served-model-name", v.served_model_name]
+    if v.reasoning_parser:
+        args += ["--reasoning-parser", v.reasoning_parser]
+    if v.gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", f"{v.gpu_memory_utilization:g}"]
+    if v.max_model_len is not None:
+        args += ["--max-model-len", str(v.max_model_len)]
+    return args

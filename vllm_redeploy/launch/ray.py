@@ -1,0 +1,234 @@
+"""The Ray backend: a Ray head on the head node, a Ray worker on every other (each pinned to its
+fabric IP), then `vllm serve` on the head as a Ray driver whose workers Ray places."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from vllm_redeploy.config import ClusterConfig, NodeConfig
+from vllm_redeploy.launch.group import (
+    ENGINE_ROLE,
+    PER_NODE_VARS,
+    NodeFabric,
+    engine_container,
+    group_spec,
+    model_mounts,
+    node_env,
+    serve_args,
+)
+from vllm_redeploy.launch.plan import LaunchPlan, Member, Phase
+from vllm_redeploy.names import container_name
+from vllm_redeploy.nodes.docker import ContainerSpec
+
+BACKEND = "ray"
+RAY_ROLE = "ray"
+# The engine is a Ray driver: it finds the local raylet among the processes it can see and talks
+# to it through sockets in Ray's session directory. So the engine container shares the head Ray
+# container's PID namespace, and that directory through a Docker volume of ours.
+RAY_TMP = "/tmp/ray"  # noqa: S108 - a path inside our containers, not on the host
+# vLLM copies the driver's NCCL_*/UCX_*/... variables to every Ray worker; this file lists
+# those it must not copy (read from VLLM_CONFIG_ROOT inside the engine container).
+VLLM_CONFIG_ROOT = "/tmp/vllm-redeploy-config"  # noqa: S108 - inside the engine container
+# Ray must run in the image, not merely be a file on PATH: `ray --version` imports the package.
+RAY_CHECK_ARGV = ("sh", "-c", "command -v ray && ray --version")
+
+
+def ray_container(config: ClusterConfig) -> str:
+    return container_name(config.name, RAY_ROLE)
+
+
+def ray_volume(config: ClusterConfig) -> str:
+    return container_name(config.name, "ray-tmp")
+
+
+def plan(
+    config: ClusterConfig, fabric: Mapping[str, NodeFabric] | None = None, reason: str = ""
+) -> LaunchPlan:
+    """The Ray head, then the workers, then Ray's own check that it sees every node and GPU,
+    then the engine: four steps of the runbook."""
+    fabric = fabric or {}
+    head = config.head
+    phases = (
+        Phase("ray-head", "ray-head-up"),
+        Phase("join-workers"),
+        Phase("cluster-check", "ray-members"),
+        Phase("launch-vllm"),
+    )
+    head_spec = ray_spec(head, config, fabric.get(head.name))
+    members = [Member(head.name, "ray-head", 0, head_spec, "the Ray head container")]
+    members += [
+        Member(
+            n.name, "ray-worker", 1, ray_spec(n, config, fabric.get(n.name)), "the Ray container"
+        )
+        for n in config.workers
+    ]
+    engine = engine_spec(config, fabric)
+    members.append(Member(head.name, ENGINE_ROLE, 3, engine, "the vLLM engine", serves_api=True))
+    ports = ((config.vllm.port, "API port"), (config.ray.port, "Ray port"))
+    return LaunchPlan(
+        BACKEND, reason, phases, tuple(members), ports, ranks_log_to_api=True, fabric=dict(fabric)
+    )
+
+
+def ray_start_args(node: NodeConfig, config: ClusterConfig) -> list[str]:
+    head = config.head
+    args = [
+        "ray",
+        "start",
+        "--block",
+        "--disable-usage-stats",
+        f"--node-ip-address={node.ip}",
+        f"--num-gpus={node.gpus}",
+    ]
+    if config.ray.object_store_bytes is not None:
+        args.append(f"--object-store-memory={config.ray.object_store_bytes}")
+    if node is head:
+        # No dashboard: vLLM does not need it, it costs seconds at every start, and its job API
+        # runs code for anyone who reaches it. ray.extra_args can turn it back on.
+        args += ["--head", f"--port={config.ray.port}", "--include-dashboard=false"]
+    else:
+        args += [f"--address={head.ip}:{config.ray.port}"]
+    return [*args, *config.ray.extra_args]
+
+
+def ray_spec(
+    node: NodeConfig, config: ClusterConfig, fabric: NodeFabric | None = None
+) -> ContainerSpec:
+    volumes = model_mounts(config)
+    if node is config.head:
+        volumes.append(f"{ray_volume(config)}:{RAY_TMP}")
+    return group_spec(
+        config,
+        name=ray_container(config),
+        role=RAY_ROLE,
+        backend=BACKEND,
+        argv=ray_start_args(node, config),
+        env=node_env(node, config, fabric),
+        fabric=fabric,
+        volumes=volumes,
+    )
+
+
+def ray_check_spec(config: ClusterConfig) -> ContainerSpec:
+    """A one-shot container of the image on the head: prints where `ray` is and its version,
+    and fails when Ray does not run there."""
+    check = group_spec(
+        config,
+        name=f"{ray_container(config)}-check",
+        role=RAY_ROLE,
+        backend=BACKEND,
+        argv=RAY_CHECK_ARGV,
+        env=node_env(config.head, config),
+        fabric=None,
+        volumes=list(config.vllm.volumes),
+    )
+    return replace(check, gpus=None)
+
+
+def vllm_serve_args(config: ClusterConfig) -> list[str]:
+    """`vllm serve` on the Ray backend: one engine on the head, its workers placed by Ray."""
+    return [*serve_args(config, executor="ray"), *config.vllm.extra_args]
+
+
+def per_node_values_differ(config: ClusterConfig, fabric: Mapping[str, NodeFabric]) -> bool:
+    """Do the nodes' interface and HCA variables differ (names depend on the port cabled)?"""
+    envs = [
+        {k: v for k, v in node_env(n, config, fabric.get(n.name)).items() if k in PER_NODE_VARS}
+        for n in config.nodes
+    ]
+    return any(env != envs[0] for env in envs)
+
+
+def engine_spec(
+    config: ClusterConfig, fabric: Mapping[str, NodeFabric] | None = None
+) -> ContainerSpec:
+    """The engine on the head, a Ray driver of the cluster (``fabric``: what every node has)."""
+    fabric = fabric or {}
+    head = config.head
+    env = node_env(head, config, fabric.get(head.name))
+    env["RAY_ADDRESS"] = f"{head.ip}:{config.ray.port}"
+    argv = vllm_serve_args(config)
+    if per_node_values_differ(config, fabric):
+        # vLLM copies the driver's NCCL_*/UCX_* variables to every worker; each node's own
+        # interfaces and HCAs are in its Ray container already: keep the head's off the copy.
+        env["VLLM_CONFIG_ROOT"] = VLLM_CONFIG_ROOT
+        exclude = json.dumps(list(PER_NODE_VARS))
+        target = f"{VLLM_CONFIG_ROOT}/ray_non_carry_over_env_vars.json"
+        script = 'mkdir -p "$(dirname "$1")" && printf %s "$2" > "$1" && shift 2 && exec "$@"'
+        argv = ["sh", "-c", script, "sh", target, exclude, *argv]
+    if config.secrets.hf_token is not None:
+        env["HF_TOKEN"] = config.secrets.hf_token.get_secret_value()
+    return group_spec(
+        config,
+        name=engine_container(config),
+        role=ENGINE_ROLE,
+        backend=BACKEND,
+        argv=argv,
+        env=env,
+        fabric=fabric.get(head.name),
+        volumes=[*model_mounts(config), f"{ray_volume(config)}:{RAY_TMP}"],
+        pid_mode=f"container:{ray_container(config)}",
+    )
+
+
+# Run in the head's Ray container: which nodes are alive, where, with what GPUs. It asks the GCS
+# directly (a fraction of a second); a Ray without that client falls back to a driver (seconds).
+RAY_MEMBERS_SCRIPT = """\
+import json, sys
+try:
+    from ray._raylet import GcsClient
+    nodes = GcsClient(address=sys.argv[1]).get_all_node_info().values()
+    members = [
+        {"ip": n.node_manager_address, "alive": n.state == 0,
+         "gpus": dict(n.resources_total).get("GPU", 0)}
+        for n in nodes
+    ]
+except (ImportError, AttributeError, TypeError):
+    import ray
+    ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+    members = [
+        {"ip": n["NodeManagerAddress"], "alive": n["Alive"],
+         "gpus": n.get("Resources", {}).get("GPU", 0)}
+        for n in ray.nodes()
+    ]
+print(json.dumps(members))
+"""
+
+
+def ray_members_argv(config: ClusterConfig) -> list[str]:
+    """The command, in the head's Ray container, that prints the Ray members as JSON."""
+    return ["python3", "-c", RAY_MEMBERS_SCRIPT, f"{config.head.ip}:{config.ray.port}"]
+
+
+@dataclass(frozen=True)
+class RayMember:
+    ip: str
+    alive: bool
+    gpus: float
+
+
+def parse_members(stdout: str) -> list[RayMember]:
+    line = stdout.strip().splitlines()[-1] if stdout.strip() else "[]"
+    return [RayMember(m["ip"], bool(m["alive"]), float(m["gpus"])) for m in json.loads(line)]
+
+
+def membership_problems(config: ClusterConfig, members: list[RayMember]) -> list[str]:
+    """What is wrong with Ray's membership, one phrase per node (empty when complete)."""
+    alive = {m.ip: m for m in members if m.alive}
+    problems = []
+    for node in config.nodes:
+        member = alive.get(node.ip)
+        if member is None:
+            problems.append(f"{node.name} is not in the cluster at {node.ip}")
+        elif member.gpus < node.gpus:
+            problems.append(f"{node.name} brings {member.gpus:g} GPUs, expected {node.gpus}")
+    strangers = sorted(set(alive) - {n.ip for n in config.nodes})
+    if strangers:
+        problems.append(
+            "Ray has nodes at unexpected IPs "
+            + ", ".join(strangers)
+            + " (a node registered another address than its fabric_ip)"
+        )
+    return problems
