@@ -1,7 +1,10 @@
 """`vllm-redeploy watch`: one long-running process that watches one or more clusters between runs.
 
 Every ``[watch] interval_s`` it looks at each cluster (every member's container, /health,
-/v1/models naming the served model: ``collect_status(quick=True)``, no probe) and, after
+/v1/models naming the served model: ``collect_status(quick=True)``, no probe); every
+``generate_every`` looks it also sends a 1-token generation, as a hung group answers /health
+with 200 (vllm_redeploy/generation.py), and a hang it found counts in every look until the next
+generation says otherwise. After
 ``failures`` bad looks in a row, posts ``vllm.cluster.unhealthy`` to Prefect; the cluster's
 ``<cluster>-recover`` deployment turns that into an ``ensure`` run. A process rather than a
 scheduled flow: a look every 15 s as a flow run would fill the UI with thousands of runs a day
@@ -51,11 +54,24 @@ class ClusterWatcher:
     config: ClusterConfig
     sender: EventSender
     state: WatchState = field(default_factory=WatchState)
+    looks: int = 0
+    hang: str | None = None  # what the last generation found wrong, until the next one
 
     def look_once(self) -> None:
         """One look, and what follows from it."""
         config = self.config
-        problems = tuple(collect_status(config, quick=True).problems)
+        every = config.watch.generate_every
+        generate = every > 0 and self.looks % every == 0
+        self.looks += 1
+        status = collect_status(config, quick=True, generate=generate)
+        if generate:
+            found = status.endpoint.generation
+            self.hang = found.problem if found is not None else None
+            if found is not None and found.verdict == "busy":
+                log.info("%s: %s", config.name, found.detail)
+        problems = tuple(status.problems)
+        if self.hang is not None and self.hang not in problems and status.endpoint.models:
+            problems += (self.hang,)
         standing = read_standing(config.name)
         look = Look(problems, busy=busy(config.name), held_back=standing.headline() is not None)
         self.state, report = judge_look(self.state, look, datetime.now(UTC), config.watch.failures)

@@ -89,8 +89,9 @@ def wait_until_ready(run: Run, plan: LaunchPlan) -> Ready:
             info = docker.get(name)
             if info is None or not info.running:
                 stopped = _stopped(run, plan, exclude=api)
-                # "and", not "then": which went first is not known (a follower also exits when
-                # its leader dies; the nodes' clocks are not ours to compare).
+                # "and", not "then": which went first is not known (the nodes' clocks are not
+                # ours to compare). vLLM's followers outlive their leader: the failure's
+                # teardown removes them.
                 raise StepFailed(
                     STEP,
                     (f"{stopped[0]}, and " if stopped else "")

@@ -24,6 +24,7 @@ from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import keep_for_notes, make_bed
 from tests.testbed import image
 from tests.testbed.bed import TestBed
+from tests.testbed.procs import freeze_container
 from vllm_redeploy.config import ClusterConfig, load_config
 from vllm_redeploy.dry_run import launch_lines
 from vllm_redeploy.launch import LaunchPlan, NodeFabric, Phase, plan_for
@@ -223,6 +224,33 @@ def test_ensure_and_status_read_the_backend_from_what_runs(mp_bed: TestBed) -> N
     )
     report = json.loads(shown.stdout)
     assert shown.returncode == 0 and report["backend"] == "mp", report["problems"]
+
+
+def test_a_frozen_follower_hangs_the_group_and_status_says_so(mp_bed: TestBed) -> None:
+    """As on the real engine: every process of the follower stopped, the leader's next model
+    step waits for it (vLLM's 300 s), /health stays 200 and the model listed; the 1-token
+    generation tells, and the probe is not sent to wait out its own timeout."""
+    path = cluster(mp_bed, 2, "frozen", watch={"generate_timeout_s": 2})
+    assert redeploy_vllm_cluster(str(path), return_state=True).is_completed()
+    config = load_config(path, env_file=None)
+    with contextlib.closing(mp_bed.nodes[1].engine.client()) as client:
+        freeze_container(client.containers.get("vllm-redeploy-bed-follower"))
+    status = collect_status(config)
+    endpoint = status.endpoint
+    assert endpoint.health == 200 and endpoint.models == [config.vllm.served_name]
+    assert endpoint.generation is not None and endpoint.generation.verdict == "stuck"
+    assert endpoint.probe is None
+    assert endpoint.generation.detail.startswith(
+        "the engine hangs: a 1-token generation got no answer within 2 s and no token was "
+        "processed meanwhile (1 request running, 0 waiting)"
+    ), endpoint.generation
+    assert endpoint.generation.detail in status.problems and len(status.problems) == 1
+    shown = subprocess.run(
+        [str(CLI), "status", "-c", str(path)], capture_output=True, text=True, timeout=90
+    )
+    assert shown.returncode == 1, shown.stderr
+    text = " ".join(shown.stdout.split())
+    assert "generation stuck: the engine hangs" in text and "probe not sent" in text, text
 
 
 def together_plan(

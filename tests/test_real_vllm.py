@@ -1,11 +1,12 @@
 """The product against the real vLLM (0.32.0, its CPU build; tests/testbed/real_vllm.py) on two
 bed nodes with the mp backend: the README scenario, the leader killed while `serve` and `watch`
-keep the cluster up, a follower killed, and a follower firewalled from the leader by a real
-iptables rule. Each fault shows what the real engine does (where it is harder than a kind
-stand-in) and that the product still reaches a clear state.
+keep the cluster up, a busy engine and a frozen follower under the watcher's generations, a
+follower killed, and a follower firewalled from the leader by a real iptables rule. Each fault
+shows what the real engine does (where it is harder than a kind stand-in) and that the product
+still reaches a clear state.
 
 Each test that needs a served cluster starts with ``ensure`` (a no-op when it is served), so
-each stands on its own; in file order they share starts (two starts and a failing one). What
+each stands on its own; in file order they share starts (three starts and a failing one). What
 each fault took is kept in tests/output/real-vllm-*.md for the team's notes."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from tests.conftest import keep_for_notes, make_bed
 from tests.test_recovery import Controller, finished, wait_for
 from tests.testbed import real_vllm
 from tests.testbed.bed import SERVED_NAME, TestBed
+from tests.testbed.procs import freeze_container
 from vllm_redeploy.config import load_config
 from vllm_redeploy.nodes.docker import LABEL_CLUSTER
 from vllm_redeploy.status import collect_status
@@ -70,12 +73,13 @@ def status_code(bed: TestBed, route: str) -> int | None:
         return None
 
 
-def chat(bed: TestBed, max_tokens: int = 16) -> httpx.Response:
+def chat(bed: TestBed, max_tokens: int = 16, **extra: Any) -> httpx.Response:
     body = {
         "model": SERVED_NAME,
         "messages": [{"role": "user", "content": "What is 2+2?"}],
         "max_tokens": max_tokens,
         "temperature": 0,
+        **extra,
     }
     return httpx.post(url(bed, "/v1/chat/completions"), json=body, timeout=180)
 
@@ -146,6 +150,66 @@ def test_a_killed_leader_leaves_its_follower_up_until_a_recovery_replaces_both(
     )
 
 
+def unhealthy_since(ctl: Controller, since: datetime) -> list[dict[str, Any]]:
+    return [
+        e
+        for e in ctl.events("vllm.cluster.unhealthy")
+        if datetime.fromisoformat(e["occurred"].replace("Z", "+00:00")) > since
+    ]
+
+
+def test_a_busy_engine_is_left_alone_and_a_frozen_follower_is_recovered(
+    real_bed: TestBed, path: Path, prefect_api: str
+) -> None:
+    """The watcher sends a 1-token generation at every look. While long generations fill the
+    engine (one sequence at a time), it gets no answer but the engine's tokens advance: busy,
+    no event. Then every process of the follower is stopped (a node that hangs): the real
+    leader keeps /health at 200 and its models listed, and waits for the lost rank; the
+    generation gets no answer and no token moves: unhealthy, and the recovery replaces both."""
+    served(path)
+    ctl = Controller(real_bed, real_bed.root / "generating.toml", CLUSTER, prefect_api, {})
+    watch = {**WATCH, "generate_every": 1, "generate_timeout_s": 2}
+    real_bed.write_config(ctl.path, name=CLUSTER, watch=watch, webhook={"reboot_delay_s": 0})
+    ctl.start()
+    log = real_bed.root / "watch.log"
+    started = datetime.now(UTC)  # the module's earlier tests told of this cluster too
+    try:
+        mark = len(log.read_text().splitlines())
+        busy_until = time.monotonic() + 20
+        while time.monotonic() < busy_until:  # back to back, as a loaded server
+            long = chat(real_bed, max_tokens=900, ignore_eos=True)
+            assert long.status_code == 200, long.text
+        time.sleep(3)  # a look or two after the load
+        looks = log.read_text().splitlines()[mark:]
+        busy = [line for line in looks if f"{CLUSTER}: busy: no 1-token answer" in line]
+        assert busy, looks
+        assert not unhealthy_since(ctl, started), looks
+        keep_for_notes("real-vllm-busy-looks", "\n".join(looks) + "\n")
+
+        before = len(finished(ctl.runs("recover")))
+        follower = container(real_bed, 1, FOLLOWER)
+        freeze_container(follower)
+        frozen, frozen_at = time.monotonic(), datetime.now(UTC)
+        assert status_code(real_bed, "/health") == 200
+        assert SERVED_NAME in httpx.get(url(real_bed, "/v1/models"), timeout=5).text
+        event = wait_for(lambda: unhealthy_since(ctl, frozen_at), 60, "the unhealthy event")
+        noticed = time.monotonic() - frozen
+        problems = event[0]["payload"]["problems"]
+        assert any(p.startswith("the engine hangs: a 1-token generation got no answer within 2 s")
+                   for p in problems), problems  # fmt: skip
+        runs = wait_for(lambda: finished(ctl.runs("recover"))[before:], 300, "the recovery run")
+        recovered = time.monotonic() - frozen
+        assert runs[0]["state_type"] == "COMPLETED", runs[0]
+        assert chat(real_bed).status_code == 200
+        assert container(real_bed, 1, FOLLOWER).id != follower.id
+    finally:
+        ctl.stop()
+    keep_for_notes(
+        "real-vllm-frozen",
+        f"follower frozen -> unhealthy {noticed:.1f} s -> served again {recovered:.1f} s\n",
+    )
+
+
 def test_a_killed_follower_leaves_the_leader_answering_until_a_request_fails(
     real_bed: TestBed, path: Path
 ) -> None:
@@ -157,8 +221,9 @@ def test_a_killed_follower_leaves_the_leader_answering_until_a_request_fails(
     assert SERVED_NAME in httpx.get(url(real_bed, "/v1/models"), timeout=5).text
     status = collect_status(load_config(path, env_file=None))
     assert "the vLLM follower on node-2 is not running" in status.problems, status.problems
-    assert status.endpoint.probe is not None and not status.endpoint.probe.healthy
-    assert "HTTP 500" in status.endpoint.probe.detail, status.endpoint.probe
+    generation = status.endpoint.generation
+    assert generation is not None and generation.verdict == "failed", generation
+    assert "HTTP 500" in generation.detail and generation.detail in status.problems
     # After that failed request the leader exits, and with code 0: not a clean stop all the same.
     leader = container(real_bed, 0, LEADER)
     started = time.monotonic()
@@ -167,8 +232,8 @@ def test_a_killed_follower_leaves_the_leader_answering_until_a_request_fails(
     assert leader.attrs["State"]["ExitCode"] == 0, leader.attrs["State"]
     keep_for_notes(
         "real-vllm-follower-killed",
-        f"follower killed; /health 200 until the probe's HTTP 500; leader exited with code 0 "
-        f"{exited:.1f} s after the probe\n",
+        f"follower killed; /health 200 until a generation's HTTP 500; leader exited with code "
+        f"0 {exited:.1f} s after it\n",
     )
 
 

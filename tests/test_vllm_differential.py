@@ -28,6 +28,7 @@ from tests.testbed import real_vllm
 from tests.testbed.bed import SERVED_NAME, bed_ip
 from tests.testbed.procs import free_port, spawn, stop
 from vllm_redeploy.parsers.vllm_log import last_load_progress
+from vllm_redeploy.parsers.vllm_metrics import parse_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.real_vllm, pytest.mark.timeout(300)]
 REPO = Path(__file__).resolve().parents[1]
@@ -211,3 +212,14 @@ def test_refused_flags_fail_alike(flags: list[str], code: int, words: str) -> No
         done[engine] = (result.returncode, words in result.stdout + result.stderr)
     assert done["real"] == (code, True), done
     assert done["standin"] == done["real"], done
+
+
+def test_the_metrics_that_tell_busy_from_stuck_read_alike(servers: dict[str, Server]) -> None:
+    """/metrics on both: the running and waiting gauges at rest, and the token counters moved
+    by a generation (the watcher's busy-or-stuck judgement reads these)."""
+    for engine, server in servers.items():
+        before = parse_metrics(server.get("/metrics").text)
+        assert server.post("/v1/chat/completions", THINKING).status_code == 200
+        after = parse_metrics(server.get("/metrics").text)
+        assert (after.running, after.waiting) == (0, 0), engine
+        assert after.tokens > before.tokens, (engine, before, after)

@@ -159,12 +159,16 @@ def test_two_nodes_followers_first(mp: MpCluster) -> None:
     assert workers(mp.gpu(0)) == [("VLLM::Worker_TP0", leader.proc.pid)]
     assert workers(mp.gpu(1)) == [("VLLM::Worker_TP1", follower.proc.pid)]
     _assert_logs(leader, follower, mp.master_port)
-    # The leader goes: the follower's workers fail and it exits.
+    # The leader goes: the follower notices nothing, stays up and holds its GPU (the real
+    # engine's vllm#32136); SIGTERM ends it quietly.
+    before = follower.output()
     stop(leader.proc)
-    code, follow = exits(follower)
-    assert code == 1, follow
-    assert "torch.distributed.DistNetworkError: Failed to recv, got 0 bytes." in follow
-    assert "Worker proc VllmWorker-1 died unexpectedly, shutting down executor." in follow
+    time.sleep(3)
+    assert follower.proc.poll() is None and follower.output() == before
+    assert workers(mp.gpu(1)) == [("VLLM::Worker_TP1", follower.proc.pid)]
+    follower.proc.terminate()
+    code, _ = exits(follower)
+    assert code == 0
     wait_until(lambda: not workers(mp.gpu(1)), 5, "the follower's GPU released")
 
 
@@ -224,7 +228,7 @@ def test_follower_lost_while_serving_fails_the_next_step(mp: MpCluster) -> None:
     assert leader.chat(max_tokens=5).status_code == 500
     assert status(leader, "/health") in (503, None)
     code, log = exits(leader)
-    assert code == 1
+    assert code == 0  # as the real leader: the engine died, the API server stopped "cleanly"
     assert "RuntimeError: NCCL error: remote process exited or there was a network error" in log
     assert "EngineCore encountered a fatal error." in log
     assert "EngineDeadError: EngineCore encountered an issue." in log

@@ -19,6 +19,7 @@ import httpx
 
 from vllm_redeploy.config import ClusterConfig, NodeConfig
 from vllm_redeploy.endpoint import api_base, engine_version, list_models
+from vllm_redeploy.generation import GenerationCheck, check_generation
 from vllm_redeploy.gpus import inspect_gpus
 from vllm_redeploy.launch import (
     ENGINE_ROLE,
@@ -101,7 +102,8 @@ class EndpointStatus:
     models_error: str | None
     health: int | None  # /health status code; None when it did not answer
     version: str | None
-    probe: ProbeVerdict | None  # None: not sent (the watcher's quick look)
+    probe: ProbeVerdict | None  # None: not sent (the watcher's quick look, or the engine hangs)
+    generation: GenerationCheck | None = None  # a 1-token generation: answered, busy or stuck
 
 
 @dataclass(frozen=True)
@@ -147,12 +149,17 @@ class ClusterStatus:
 # --- collecting ------------------------------------------------------------------------------
 
 
-def collect_status(config: ClusterConfig, quick: bool = False) -> ClusterStatus:
+def collect_status(
+    config: ClusterConfig, quick: bool = False, generate: bool | None = None
+) -> ClusterStatus:
     """Look at every node and the endpoint, in parallel; change nothing. ``quick`` (the
     watcher's look, every few seconds) leaves out what costs: the probe (a real completion),
-    nvidia-smi, Ray's member list and the ranks' logs; what runs and what the API says stay."""
+    nvidia-smi, Ray's member list and the ranks' logs; what runs and what the API says stay.
+    ``generate`` (default: unless quick) also sends a 1-token generation, which tells a hung
+    engine (/health 200, no token) from a busy one."""
+    generate = not quick if generate is None else generate
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="endpoint") as pool:
-        endpoint = pool.submit(check_endpoint, config, not quick)
+        endpoint = pool.submit(check_endpoint, config, not quick, generate)
         outcomes = fan_out(config.nodes, lambda n: _node_status(n, config, quick))
         ray = RayStatus()
         nodes = []
@@ -272,7 +279,11 @@ def _ray(access: NodeAccess, config: ClusterConfig, containers: list[ContainerSt
     return RayStatus(members, membership_problems(config, members))
 
 
-def check_endpoint(config: ClusterConfig, probe: bool = True) -> EndpointStatus:
+def check_endpoint(
+    config: ClusterConfig, probe: bool = True, generate: bool = False
+) -> EndpointStatus:
+    """What the API answers. The 1-token generation goes first: when the engine hangs, the
+    probe is not sent (it would only wait out its own timeout)."""
     base = api_base(config)
     want = config.vllm.served_name
     health: int | None = None
@@ -281,11 +292,15 @@ def check_endpoint(config: ClusterConfig, probe: bool = True) -> EndpointStatus:
         with contextlib.suppress(httpx.HTTPError):
             health = client.get(f"{base}/health").status_code
         version = engine_version(client, base) if models is not None and probe else None
-    verdict = None
-    if probe:
+    generation = verdict = None
+    if generate and models is not None:
+        generation = check_generation(base, want, config.watch.generate_timeout_s)
+    if probe and (generation is None or generation.verdict != "stuck"):
         p = config.probe
         verdict = run_probe(base, want, p.prompt, p.max_tokens, p.temperature, p.timeout_s)
-    return EndpointStatus(f"{base}/v1", want, models, models_error, health, version, verdict)
+    return EndpointStatus(
+        f"{base}/v1", want, models, models_error, health, version, verdict, generation
+    )
 
 
 def judge(
@@ -322,6 +337,9 @@ def judge(
         problems.append(f"{endpoint.url}/models lists {listed}, not {endpoint.served_name}")
     if endpoint.health != 200 and endpoint.models is not None:
         problems.append(f"/health answered {endpoint.health or 'nothing'}")
+    generation = endpoint.generation
+    if generation is not None and generation.problem and endpoint.models is not None:
+        problems.append(generation.problem)
     if endpoint.probe is not None and not endpoint.probe.healthy and endpoint.models is not None:
         problems.append(f"the probe failed: {endpoint.probe.detail}")
     return problems

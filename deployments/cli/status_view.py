@@ -90,7 +90,15 @@ def print_status(
     else:
         listed = ", ".join(e.models or []) or e.models_error or "nothing"
         model = f"[red]{markup_safe(e.served_name)} is not served[/] ({markup_safe(listed)})"
-    probe = "[green]healthy[/]" if e.probe.healthy else "[red]unhealthy[/]"
+    if e.probe is None:
+        probe = "[red]not sent[/]: the engine does not generate"
+    else:
+        verdict = "[green]healthy[/]" if e.probe.healthy else "[red]unhealthy[/]"
+        probe = f"{verdict}: {markup_safe(e.probe.detail)}"
+    generation = "-"
+    if e.generation is not None:
+        colour = {"answered": "green", "busy": "yellow"}.get(e.generation.verdict, "red")
+        generation = f"[{colour}]{e.generation.verdict}[/]: {markup_safe(e.generation.detail)}"
     rows = [
         ("endpoint", markup_safe(e.url)),
         ("backend", markup_safe(report.backend or "-")),
@@ -98,7 +106,8 @@ def print_status(
         ("model", model),
         ("health", "[green]200[/]" if e.health == 200 else f"[red]{e.health or 'no answer'}[/]"),
         ("vLLM", markup_safe(e.version or "-")),
-        ("probe", f"{probe}: {markup_safe(e.probe.detail)}"),
+        ("generation", generation),
+        ("probe", probe),
         (
             "engine",
             f"[green]running[/], up {duration(engine.uptime_s)}"

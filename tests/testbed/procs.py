@@ -12,6 +12,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def wait_until(
@@ -186,3 +187,15 @@ def stop(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(5)
+
+
+def freeze_container(container: Any) -> list[int]:
+    """SIGSTOP every process of a Docker container (docker SDK object), as a node that hangs
+    (a kernel stall, a frozen GPU driver) leaves them: alive, holding their sockets, silent.
+    Docker still calls the container running. Returns the host PIDs stopped."""
+    top = container.top(ps_args="-eo pid")
+    pids = [int(row[0]) for row in top["Processes"]]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+    return pids

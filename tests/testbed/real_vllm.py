@@ -63,8 +63,9 @@ def settings(data: dict[str, Any]) -> dict[str, Any]:
         "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB per rank; vLLM's default 4 would crowd 2 nodes
         "TORCHINDUCTOR_CACHE_DIR": str(compiled),
     }
-    # Eager mode: torch.compile would add a minute per start and tells us nothing we test.
-    vllm["extra_args"] = ["--enforce-eager", "--max-model-len", "1024"]
+    # Eager mode: torch.compile would add a minute per start and tells us nothing we test. One
+    # sequence at a time: a long generation fills the engine, as a busy server is full.
+    vllm["extra_args"] = ["--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "1"]
     data["deadlines"]["model_load_s"] = 300
     # The first request after a start runs the kernels inductor compiled (or compiles them):
     # 15-40 s on 2 busy cores, where a GPU's first answer takes well under a second.

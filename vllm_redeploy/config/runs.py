@@ -88,6 +88,18 @@ class WatchConfig(Section):
         description="Wait before the second recovery in the window; each next one waits 4 "
         "times longer (30 s, 2 min, 8 min).",
     )
+    generate_every: int = Field(
+        4,
+        ge=0,
+        description="Every this many looks, also send a 1-token generation: a hung group (a "
+        "frozen or lost rank) still answers /health with 200, only a generation tells, and the "
+        "engine's /metrics tell busy from stuck. 0: never.",
+    )
+    generate_timeout_s: Seconds = Field(
+        30,
+        description="How long that generation (and the one `status` sends) may take before the "
+        "engine's counters are asked whether it is busy or stuck.",
+    )
 
 
 class ProbeConfig(Section):

@@ -14,7 +14,10 @@ in their hello: the store tells the ranks' nodes by what they say, never by a pe
 
 On the connections travels the stand-in's own protocol, not PyTorch's wire format: one JSON
 line per rank (its hello), then one back to each (the rank-to-node map and NCCL's communicator
-id).
+id). Afterwards every model step is a collective: the store sends ``step`` to every rank and
+waits for each one's ``ack``, so a frozen rank (SIGSTOP, a hung node) blocks the step, as NCCL's
+collective does, until ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` (vLLM's 300 s), while the API
+server goes on answering /health.
 
 Deadline: ``--distributed-timeout-seconds``, else PyTorch's NCCL default of 600 s.
 Test-bed knobs: ``VRD_RENDEZVOUS_TIMEOUT`` (seconds) shortens the deadline;
@@ -48,6 +51,7 @@ except ImportError:  # run as a plain script
     import nccl  # type: ignore[no-redef]
 
 DEFAULT_TIMEOUT_S = 600.0  # vLLM passes None without the flag: PyTorch's NCCL default
+EXECUTE_MODEL_TIMEOUT_S = 300.0  # VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS' default
 HANDSHAKE_TIMEOUT_S = 300.0  # vLLM's HANDSHAKE_TIMEOUT_MINS
 DP_HEAD_ADDRESS = "tcp://127.0.0.1:29550"  # data_parallel_master_ip and _rpc_port defaults
 ENGINE_PROCS = "{'EngineCore_DP0': 1}"  # what the API server lists when the engine core exited
@@ -188,11 +192,6 @@ MODEL_STEP = (
     _frame(GPU_WORKER, 803, "execute_model", "output = self.model_runner.execute_model("),
     *ALL_REDUCE,
 )
-BUSY_LOOP = _frames(
-    (EXECUTOR, 828, "worker_main", "worker.worker_busy_loop()"),
-    (EXECUTOR, 928, "worker_busy_loop",
-     "method, args, kwargs, output_rank = self.rpc_broadcast_mq.dequeue("),
-)  # fmt: skip
 # What the engine core logs when a collective of a worker failed.
 WORKER_FAILED_TRACE = traceback_text(
     _frames(
@@ -415,6 +414,10 @@ class PeerLost(Exception):
     logged)."""
 
 
+class StepTimedOut(Exception):
+    """A rank did not take part in a model step within VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS."""
+
+
 # --------------------------------------------------------------------------- the TCP store
 
 
@@ -463,6 +466,9 @@ class StoreServer:
     started: float = field(default_factory=time.monotonic)
     joined: dict[int, tuple[str, socket.socket]] = field(default_factory=dict)
     changed: threading.Condition = field(default_factory=threading.Condition)
+    acks: dict[int, int] = field(default_factory=dict)  # per rank: the steps it took part in
+    steps: int = 0
+    stepping: threading.Lock = field(default_factory=threading.Lock)
     complete: bool = False
     closing: bool = False
 
@@ -492,8 +498,11 @@ class StoreServer:
             with self.changed:
                 self.joined[rank] = (str(hello.get("ip") or _peer_ip(conn)), conn)
                 self.changed.notify_all()
-            while reader.readline():  # nothing more comes: EOF when the rank goes
-                pass
+            while line := reader.readline():  # EOF when the rank goes
+                if line.strip() == b"ack":
+                    with self.changed:
+                        self.acks[rank] = self.acks.get(rank, 0) + 1
+                        self.changed.notify_all()
             if self.complete and not self.closing:
                 self.on_lost(rank, self.joined[rank][0])
 
@@ -517,6 +526,22 @@ class StoreServer:
             with contextlib.suppress(OSError):
                 conn.sendall(json.dumps(message).encode() + b"\n")
 
+    def step(self, timeout_s: float) -> None:
+        """One collective of every rank: each must answer before the deadline; raises
+        StepTimedOut naming the first that did not."""
+        with self.stepping:
+            self.steps += 1
+            for _, conn in self.joined.values():
+                with contextlib.suppress(OSError):  # a rank that is gone is noticed by EOF
+                    conn.sendall(b"step\n")
+            deadline = time.monotonic() + timeout_s
+            with self.changed:
+                while late := [r for r in self.joined if self.acks.get(r, 0) < self.steps]:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise StepTimedOut(late[0])
+                    self.changed.wait(min(left, 1.0))
+
     def close(self) -> None:
         self.closing = True
         with contextlib.suppress(OSError):
@@ -535,6 +560,7 @@ class StoreClient:
         self.own = own
         self.firewalled = firewalled  # a firewall drops this node's packets to the others
         self.reader: Any = None
+        self.sock: socket.socket | None = None
 
     def connect(self, host: str, port: int, timeout_s: float) -> None:
         """Retry refused and unanswered connections until the deadline, as the store does."""
@@ -565,6 +591,7 @@ class StoreClient:
             sock.close()
             raise
         sock.settimeout(None)
+        self.sock = sock
         return reader
 
     def _dial(self, host: str, port: int, timeout: float) -> socket.socket:
@@ -596,12 +623,14 @@ class StoreClient:
         return list(message["node_ips"]), int(message["comm_id"])
 
     def watch(self, on_gone: Callable[[], None]) -> None:
-        """Call ``on_gone`` when the store's server goes away (its connection ends)."""
+        """Take part in every model step; call ``on_gone`` when the store's server goes away
+        (its connection ends)."""
 
         def read() -> None:
             with contextlib.suppress(OSError, ValueError):
-                while self.reader.readline():
-                    pass
+                while line := self.reader.readline():
+                    if line.strip() == b"step" and self.sock is not None:
+                        self.sock.sendall(b"ack\n")
             on_gone()
 
         threading.Thread(target=read, name=f"store-client-{self.rank}", daemon=True).start()
@@ -714,7 +743,11 @@ class MpNode:
 
     def all_reduce(self, frames: Sequence[str] = MODEL_STEP) -> None:
         """A collective of every rank (the profile run, each model step): it fails once the
-        ranks of another node are gone, as NCCL does."""
+        ranks of another node are gone, as NCCL does, and waits for a frozen one until
+        VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (then StepTimedOut)."""
+        if not self.lost_peers and self.server is not None and frames is MODEL_STEP:
+            timeout = float(self.env.get("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "") or 0)
+            self.server.step(timeout or EXECUTE_MODEL_TIMEOUT_S)
         if not self.lost_peers:
             return
         self.emit(
@@ -725,24 +758,6 @@ class MpNode:
             + traceback_text(frames, f"RuntimeError: {NCCL_REMOTE}"),
         )
         raise PeerLost(self.lost_peers[0])
-
-    def leader_gone(self) -> None:
-        """The leader is gone: this follower's workers fail, then its executor shuts down."""
-        for rank in self.launch.ranks:
-            self.emit(
-                self.name(rank),
-                "ERROR",
-                "multiproc_executor.py:861",
-                "WorkerProc failed.\n"
-                + traceback_text(BUSY_LOOP, f"torch.distributed.DistNetworkError: {RECV_ZERO}"),
-            )
-        self.emit(
-            None,
-            "ERROR",
-            "multiproc_executor.py:273",
-            f"Worker proc VllmWorker-{self.launch.ranks[0]} died unexpectedly, shutting down "
-            "executor.",
-        )
 
     def close(self) -> None:
         if self.server is not None:

@@ -46,6 +46,7 @@ Only the standard library and Ray are imported (Ray lazily): this runs inside te
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -55,7 +56,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -665,6 +666,13 @@ class Engine:
             return
         try:
             self.mp.all_reduce()
+        except mp_launcher.StepTimedOut:
+            # The executor's collective_rpc gave up on a rank that never answered.
+            fatal = "EngineCore encountered a fatal error.\n" + mp_launcher.traceback_text(
+                mp_launcher.MODEL_STEP, "TimeoutError: RPC call to execute_model timed out."
+            )
+            self.log.engine("ERROR", "core.py:1110", fatal)
+            self.dead.set()
         except mp_launcher.PeerLost:
             fatal = f"EngineCore encountered a fatal error.\n{mp_launcher.STEP_FAILED_TRACE}"
             self.log.engine("ERROR", "core.py:1110", fatal)
@@ -1067,8 +1075,19 @@ def engine_failed(log: Log, cause: str, procs: str = "{}") -> None:
 class Stats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    in_flight: int = 0  # requests in the engine (vllm:num_requests_running)
     finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0})
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        with self.lock:
+            self.in_flight += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.in_flight -= 1
 
     def record(self, prompt: int, generation: Generation) -> None:
         with self.lock:
@@ -1207,8 +1226,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def _answer(self, request: dict[str, Any], model: str) -> None:
         app = self.app
-        time.sleep(float(app.knobs.faults.get("slow") or 0))
-        app.engine.execute_model()
+        with app.stats.running():
+            time.sleep(float(app.knobs.faults.get("slow") or 0))
+            app.engine.execute_model()
         if app.engine.dead.is_set() or app.knobs.fault("http_500"):
             self._json(500, error_body(ENGINE_DEAD_MESSAGE, "InternalServerError", 500))
             return
@@ -1371,7 +1391,7 @@ def prometheus_text(app: App) -> str:
             "num_requests_running",
             "gauge",
             "Number of requests in model execution batches.",
-            [(labels, 0.0)],
+            [(labels, float(stats.in_flight))],
         ),
         *_metric(
             "num_requests_waiting",
@@ -1517,7 +1537,9 @@ def run(argv: Sequence[str] | None = None) -> int:
     threading.Thread(target=exit_after_death, args=(engine, server), daemon=True).start()
     server.serve_forever(poll_interval=0.2)
     log_shutdown(log)
-    return 1 if engine.dead.is_set() else 0
+    # The real mp leader whose engine died of a lost rank shuts its API server down and exits
+    # with 0 (seen on 0.32.0): not a clean stop all the same.
+    return 1 if engine.dead.is_set() and not config.launch.multi_node else 0
 
 
 # --------------------------------------------------------------------------- headless
@@ -1542,8 +1564,10 @@ def run_headless(config: ServeConfig, knobs: Knobs, log: Log) -> int:
         return 1
     assert engine.mp is not None
     follow(engine, engine.mp)
-    engine.mp.leader_gone()
-    return 1
+    # As the real engine (vllm#32136, seen on 0.32.0): a follower whose leader is gone says
+    # nothing and stays up, holding its GPU; it cannot join a new leader. Only a signal ends it.
+    threading.Event().wait()
+    return 0
 
 
 def follow(engine: Engine, mp: mp_launcher.MpNode) -> None:
