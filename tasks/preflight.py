@@ -13,7 +13,14 @@ from prefect import task
 from prefect.cache_policies import INPUTS, RUN_ID
 
 from tasks.context import RETRY_TRANSIENT, Run, StepFailed, log
-from vllm_redeploy.launch import LaunchPlan, NodeFabric, asks_the_image, choose, plan_for
+from vllm_redeploy.launch import (
+    ImageEntrypoint,
+    LaunchPlan,
+    NodeFabric,
+    asks_the_image,
+    choose,
+    plan_for,
+)
 from vllm_redeploy.launch.ray import ray_check_spec
 from vllm_redeploy.nodes import (
     AuthenticationFailed,
@@ -41,11 +48,15 @@ class NodeFacts:
     ray_checked: bool = True  # the image was checked for Ray on this node (the head only)
     fabric: FabricFacts | None = None
     weights_bytes: int | None = None  # the model directory's safetensors, in all
+    entrypoint: ImageEntrypoint | None = None  # the image's (read on the head only)
 
     @property
     def notes(self) -> list[str]:
         """What people should know about the node that does not stop the run."""
-        return [f"{self.node}: {p}" for p in (self.fabric.problems() if self.fabric else ())]
+        found = list(self.fabric.problems() if self.fabric else ())
+        if self.entrypoint is not None and self.entrypoint.kept:
+            found.append(self.entrypoint.why())
+        return [f"{self.node}: {p}" for p in found]
 
 
 def wait_reachable(run: Run, name: str) -> float:
@@ -89,9 +100,11 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
     # One node answers for the image (the IDs must match everywhere), in the background: its
     # container takes the longest of all checks.
     background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="preflight")
-    ray_check = None
-    if image_id is not None and name == config.head.name and asks_the_image(config):
-        ray_check = background.submit(_ray_in_image, run, name)
+    ray_check = entrypoint = None
+    if image_id is not None and name == config.head.name:
+        entrypoint = background.submit(_image_entrypoint, run, name)
+        if asks_the_image(config):
+            ray_check = background.submit(_ray_in_image, run, name)
     background.shutdown(wait=False)
     model = access.runner.run(["test", "-d", config.vllm.model], check=False)
     # Fabric IPs set by hand are lost at reboot; `ip route get` tells, without sending anything,
@@ -121,6 +134,7 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
         ray_check is not None,
         fabric,
         _weights_bytes(access, config.vllm.model) if model.ok else None,
+        entrypoint.result() if entrypoint else None,
     )
 
 
@@ -132,6 +146,12 @@ def _weights_bytes(access: NodeAccess, model: str) -> int | None:
     )
     sizes = [int(line) for line in found.stdout.split() if line.isdigit()]
     return sum(sizes) if found.ok and sizes else None
+
+
+def _image_entrypoint(run: Run, name: str) -> ImageEntrypoint:
+    """The image's ENTRYPOINT, and whether it runs its arguments (then our containers keep it)."""
+    argv, script = run.node(name).docker.image_entrypoint(run.config.vllm.image)
+    return ImageEntrypoint.of(argv, script)
 
 
 def _ray_in_image(run: Run, name: str) -> str | None:
@@ -187,6 +207,9 @@ def judge_preflight(run: Run, facts: list[NodeFacts]) -> LaunchPlan:
     }
     ray_path = next(f.ray_path for f in facts if f.node == config.head.name)
     backend, why = choose(config, ray_path)
-    plan = plan_for(backend, config, fabric, why)
+    entrypoint = next(f.entrypoint for f in facts if f.node == config.head.name)
+    plan = plan_for(backend, config, fabric, why, entrypoint)
     log().info("launch backend: %s", plan.reason)
+    if entrypoint is not None:
+        log().info("entrypoint: %s", entrypoint.why())
     return plan

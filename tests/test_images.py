@@ -1,8 +1,11 @@
-"""Any image runs: every container the product starts names its own entrypoint (issue 14).
+"""Any image runs (issues 14 and 23): the image's ENTRYPOINT is kept where it runs its
+arguments, and replaced by our program where it is a program.
 
 Docker appends a container's command to the image's ENTRYPOINT: vllm/vllm-openai declares
-``["vllm", "serve"]``, NGC's vLLM a banner script, community builds none; and vLLM images from
-0.18 on carry no Ray. The bed has an image of each shape (tests/testbed/image.py).
+``["vllm", "serve"]`` (replaced), NGC's vLLM a script that prepares the environment (the CUDA
+forward-compatibility libraries; GB10 needs them) and ends in ``exec "$@"`` (kept), community
+builds none; and vLLM images from 0.18 on carry no Ray. The bed has an image of each shape
+(tests/testbed/image.py), NGC's failing as a GB10 does when its script is skipped.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from tests.testbed.bed import SERVED_NAME, TestBed
 from tests.testbed.procs import free_port
 from vllm_redeploy.config import ClusterConfig, load_config
 from vllm_redeploy.dry_run import plan_lines
-from vllm_redeploy.launch import fingerprint
+from vllm_redeploy.launch import ImageEntrypoint, fingerprint, plan_for
+from vllm_redeploy.launch.entrypoint import runs_arguments
 from vllm_redeploy.launch.fingerprint import launch_fingerprint
 from vllm_redeploy.launch.group import container_argv, engine_container, split_argv
 from vllm_redeploy.launch.ray import (
@@ -99,6 +103,43 @@ def test_a_cluster_launched_without_entrypoint_is_not_taken_for_current(
 
     monkeypatch.setattr(fingerprint, "engine_spec", old_shape)
     assert launch_fingerprint(config) != current
+
+
+@pytest.mark.parametrize(
+    ("script", "runs"),
+    [
+        ('#!/bin/sh\necho banner\nexec "$@"\n', True),
+        ('#!/bin/bash\nset -e\n[ $# -gt 0 ] || set -- /bin/bash\nexec "${@}"\n# done\n', True),
+        ('#!/bin/sh\nsource /etc/profile; exec "$@"\n', True),
+        ('#!/bin/sh\nexec "$@"\necho after\n', False),  # its last command is another
+        ('#!/bin/sh\nexec vllm serve "$@"\n', False),  # a program with our words as arguments
+        ("#!/bin/sh\nexec $@\n", False),  # unquoted: the words would be split again
+        ("", False),
+    ],
+)
+def test_an_entrypoint_runs_its_arguments_only_when_it_ends_in_exec(
+    script: str, runs: bool
+) -> None:
+    assert runs_arguments(script) is runs
+
+
+def test_a_script_that_runs_its_arguments_is_kept_in_every_container(tmp_path: Path) -> None:
+    config = example(tmp_path, interfaces_differ=False)
+    ngc = ImageEntrypoint.of(["/opt/nvidia/nvidia_entrypoint.sh"], '#!/bin/bash\nexec "$@"\n')
+    program = ImageEntrypoint.of(["vllm", "serve"], None)
+    for backend in ("ray", "mp"):
+        explicit = plan_for(backend, config, entrypoint=program)
+        kept = plan_for(backend, config, entrypoint=ngc)
+        assert kept.fingerprint == explicit.fingerprint  # what runs is still recognised
+        for mine, theirs in zip(explicit.members, kept.members, strict=True):
+            assert mine.spec.entrypoint and theirs.spec.entrypoint is None
+            assert list(theirs.spec.command) == container_argv(mine.spec)
+    assert ngc.why() == (
+        'the image\'s ENTRYPOINT /opt/nvidia/nvidia_entrypoint.sh is kept: it ends in exec "$@"'
+    )
+    assert program.why() == (
+        "the image's ENTRYPOINT vllm serve is replaced: it does not run its arguments"
+    )
 
 
 def test_the_dry_run_shows_each_entrypoint(tmp_path: Path) -> None:
@@ -282,18 +323,31 @@ def test_the_cluster_serves_from_an_image_with_an_entrypoint(serve_bed: TestBed,
     assert verdict.healthy, verdict
     config = load_config(serve_bed.root / "run.toml", env_file=None)
     made = next(m for m in image.BED_IMAGES if m.tag == tag)
+    kept = tag == image.NGC_IMAGE  # its script runs its arguments: our program is its command
     for node in config.nodes:
         with contextlib.closing(serve_bed.node(node.name).engine.client()) as client:
             assert client.images.get(tag).attrs["Config"]["Entrypoint"] == list(
                 made.entrypoint or ()
             )
             ray = client.containers.get(ray_container(config))
-            # Docker reports what it runs: our entrypoint, then our command; nothing of the image's.
-            assert ray.attrs["Config"]["Entrypoint"] == ["ray"]
-            assert [ray.attrs["Path"], *ray.attrs["Args"]] == ray_start_args(node, config)
-            assert BANNER not in ray.logs().decode()
+            # Docker reports what it runs: the entrypoint (the image's, or ours), then the rest.
+            ran = [ray.attrs["Path"], *ray.attrs["Args"]]
+            assert ray.attrs["Config"]["Entrypoint"] == (
+                [image.NGC_ENTRYPOINT] if kept else ["ray"]
+            )
+            assert ran == ([image.NGC_ENTRYPOINT] if kept else []) + ray_start_args(node, config)
+            assert (BANNER in ray.logs().decode()) is kept
             if node is config.head:
                 engine = client.containers.get(engine_container(config))
-                assert engine.attrs["Config"]["Entrypoint"] == ["vllm"]
-                assert [engine.attrs["Path"], *engine.attrs["Args"]] == vllm_serve_args(config)
-                assert BANNER not in engine.logs().decode()
+                ran = [engine.attrs["Path"], *engine.attrs["Args"]]
+                assert ran == ([image.NGC_ENTRYPOINT] if kept else []) + vllm_serve_args(config)
+                assert (BANNER in engine.logs().decode()) is kept
+    if kept:
+        why = (
+            'the image\'s ENTRYPOINT /opt/nvidia/nvidia_entrypoint.sh is kept: it ends in exec "$@"'
+        )
+        assert f"node-1: {why}" in state.result()["notes"]
+        before = all_containers(serve_bed)
+        lines = plan_lines(config)  # reads the script from a container it never starts
+        assert all_containers(serve_bed) == before  # and leaves none behind
+        assert f"    entrypoint: /opt/nvidia/nvidia_entrypoint.sh ({why})" in lines, lines

@@ -1,5 +1,6 @@
 """`run --dry-run`: per node, exactly what a run would stop, check and start. Read-only: the nodes
-are asked what they have (containers, fabric), nothing is started or removed."""
+are asked what they have (containers, fabric, the head's image ENTRYPOINT: read from a container
+created for it and removed unstarted), nothing of theirs is started or removed."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ from dataclasses import dataclass
 
 from vllm_redeploy.config import ClusterConfig, NodeConfig
 from vllm_redeploy.endpoint import api_base
-from vllm_redeploy.launch import LaunchPlan, NodeFabric, candidates, container_argv, plan_for
+from vllm_redeploy.launch import (
+    ImageEntrypoint,
+    LaunchPlan,
+    NodeFabric,
+    candidates,
+    container_argv,
+    plan_for,
+)
 from vllm_redeploy.launch.choose import AUTO, AUTO_NOTE
 from vllm_redeploy.memory import DROP_SCRIPT
 from vllm_redeploy.nodes import NodeAccess, RemoteError, fan_out, render_command
@@ -30,6 +38,7 @@ class _Seen:
     old: list[str]
     ours: list[str]
     fabric: FabricFacts
+    entrypoint: ImageEntrypoint | None = None  # the image's, on the head when it has it
 
 
 def _look(config: ClusterConfig, node: NodeConfig) -> _Seen:
@@ -37,8 +46,14 @@ def _look(config: ClusterConfig, node: NodeConfig) -> _Seen:
         old = access.docker.list_containers(config.autostart.containers)
         ours = access.docker.list_containers(labels=cluster_labels(config.name))
         found = access.runner.run(list(FABRIC_ARGV), check=False)
+        entrypoint = None
+        if node is config.head and access.docker.image_id(config.vllm.image) is not None:
+            entrypoint = ImageEntrypoint.of(*access.docker.image_entrypoint(config.vllm.image))
     return _Seen(
-        [_named(c) for c in old], [_named(c) for c in ours], parse_fabric(found.stdout, node.ip)
+        [_named(c) for c in old],
+        [_named(c) for c in ours],
+        parse_fabric(found.stdout, node.ip),
+        entrypoint,
     )
 
 
@@ -60,8 +75,10 @@ def plan_lines(config: ClusterConfig, inspect_nodes: bool = True) -> list[str]:
         lines += _node_lines(config, node, seen.get(node.name), fabric.get(node.name))
     if config.vllm.backend == AUTO:
         lines.append(f"\n{AUTO_NOTE}")
+    head = seen.get(config.head.name)
+    entrypoint = head.value.entrypoint if head is not None and head.value is not None else None
     for backend, why in candidates(config):
-        lines += launch_lines(config, plan_for(backend, config, fabric, why))
+        lines += launch_lines(config, plan_for(backend, config, fabric, why, entrypoint))
     lines.append(
         f"\nwait up to {config.deadlines.model_load_s:g} s until {api_base(config)}/v1/models "
         f"lists {config.vllm.served_name}; then prove NCCL's transport between the nodes"
@@ -129,17 +146,21 @@ def launch_lines(config: ClusterConfig, plan: LaunchPlan) -> list[str]:
                 f"  start container {spec.name} ({spec.image}): "
                 f"{render_command(container_argv(spec), secrets)}"
             )
-            lines += _options(spec, secrets)
+            lines += _options(spec, secrets, plan.entrypoint)
     ports = ", ".join(f"{words} {port}" for port, words in plan.ports)
     lines.append(f"  the head's ports must be free first: {ports}")
     return lines
 
 
-def _options(spec: ContainerSpec, secrets: tuple[str, ...]) -> list[str]:
-    entrypoint = render_command(list(spec.entrypoint or ()))
-    lines = [
-        f"    entrypoint: {entrypoint} (set explicitly: the image's own ENTRYPOINT does not run)"
-    ]
+def _options(
+    spec: ContainerSpec, secrets: tuple[str, ...], image: ImageEntrypoint | None
+) -> list[str]:
+    if spec.entrypoint is None and image is not None and image.argv is not None:
+        entrypoint = f"{render_command(list(image.argv))} ({image.why()})"
+    else:
+        why = image.why() if image is not None else "the image's own ENTRYPOINT does not run"
+        entrypoint = f"{render_command(list(spec.entrypoint or ()))} (set explicitly: {why})"
+    lines = [f"    entrypoint: {entrypoint}"]
     ulimits = ", ".join(f"{k}={v}" for k, v in spec.ulimits.items()) or "Docker's"
     lines.append(
         f"    devices: {', '.join(spec.devices) or 'none'}; capabilities: "

@@ -35,6 +35,9 @@ NGC_IMAGE = "vrd-bed/ngc-vllm:1"
 NO_RAY_IMAGE = "vrd-bed/vllm-openai-noray:1"
 OLD_STACK_IMAGE = "vrd-bed/old-stack:1"  # busybox: what the previous model's stack runs
 NGC_ENTRYPOINT = "/opt/nvidia/nvidia_entrypoint.sh"
+# NGC's script puts the CUDA forward-compatibility libraries first on the library path; on a GB10
+# (a driver older than the image's CUDA) vLLM fails FlashInfer's JIT without them.
+CUDA_COMPAT = "/usr/local/cuda/compat/lib.real"
 NO_RAY_BIN = "/opt/vrd/noray/bin"  # `vllm` and a `python3` without site-packages
 # What NGC's script prints before it runs the command (from entrypoint.d, abridged).
 NGC_BANNER = """
@@ -58,9 +61,10 @@ class BedImage:
     entrypoint: tuple[str, ...] | None  # the image's ENTRYPOINT; None: it declares none
     ray: bool  # Ray runs in it: `ray` on PATH and `import ray` in its Python
     bin_dir: str | None = None  # first on PATH: where its `vllm` is (default: the stand-in's)
+    env: tuple[str, ...] = ()  # more ENV lines: KEY=VALUE
 
     def changes(self) -> list[str]:
-        changes = image_changes(self.ray, self.bin_dir)
+        changes = image_changes(self.ray, self.bin_dir) + [f"ENV {e}" for e in self.env]
         if self.entrypoint is not None:
             changes.append(f"ENTRYPOINT {json.dumps(list(self.entrypoint))}")
         return changes
@@ -69,7 +73,9 @@ class BedImage:
 BED_IMAGES = (
     BedImage(BED_IMAGE, None, ray=True),
     BedImage(VLLM_OPENAI_IMAGE, ("vllm", "serve"), ray=True),
-    BedImage(NGC_IMAGE, (NGC_ENTRYPOINT,), ray=True),
+    # As on a GB10: the stand-in fails like FlashInfer's JIT unless the script's library path
+    # reaches it (VRD_NEEDS_LIBRARY, a stand-in knob).
+    BedImage(NGC_IMAGE, (NGC_ENTRYPOINT,), ray=True, env=(f"VRD_NEEDS_LIBRARY={CUDA_COMPAT}",)),
     BedImage(NO_RAY_IMAGE, ("vllm", "serve"), ray=False),
     # The real vLLM (CPU build, tests/testbed/real_vllm.py), mounted from where it is installed.
     BedImage(real_vllm.IMAGE, ("vllm", "serve"), ray=False, bin_dir=str(real_vllm.bin_dir())),
@@ -142,7 +148,8 @@ def rootfs() -> bytes:
             _file(tar, f"{bin_dir}/vllm", shim.encode(), 0o755)
         bare = f'#!/bin/sh\nexec {PYTHON_HOME}/bin/python3 -S "$@"\n'
         _file(tar, f"{NO_RAY_BIN.lstrip('/')}/python3", bare.encode(), 0o755)
-        run = '[ $# -gt 0 ] || set -- /bin/sh\nexec "$@"\n'
+        compat = f'export LD_LIBRARY_PATH="{CUDA_COMPAT}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"\n'
+        run = compat + '[ $# -gt 0 ] || set -- /bin/sh\nexec "$@"\n'
         script = f"#!/bin/sh\ncat <<'EOF'\n{NGC_BANNER}EOF\n{run}"
         _file(tar, NGC_ENTRYPOINT.lstrip("/"), script.encode(), 0o755)
     return buf.getvalue()

@@ -9,6 +9,7 @@ from vllm_redeploy.launch.choose import (
     choose,
     plan_for,
 )
+from vllm_redeploy.launch.entrypoint import ImageEntrypoint
 from vllm_redeploy.launch.fingerprint import launch_fingerprint
 from vllm_redeploy.launch.group import (
     ENGINE_ROLE,
@@ -25,6 +26,7 @@ __all__ = [
     "ENGINE_ROLE",
     "LABEL_BACKEND",
     "LABEL_LAUNCH",
+    "ImageEntrypoint",
     "LaunchPlan",
     "Member",
     "NodeFabric",

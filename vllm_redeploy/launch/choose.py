@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.launch import mp, ray
+from vllm_redeploy.launch.entrypoint import ImageEntrypoint
 from vllm_redeploy.launch.fingerprint import launch_fingerprint
 from vllm_redeploy.launch.group import NodeFabric
 from vllm_redeploy.launch.plan import LaunchPlan
@@ -75,7 +76,9 @@ def plan_for(
     config: ClusterConfig,
     fabric: Mapping[str, NodeFabric] | None = None,
     why: str = "",
+    entrypoint: ImageEntrypoint | None = None,
 ) -> LaunchPlan:
-    """The backend's plan for ``config``, stamped with the launch fingerprint."""
-    built = BACKENDS[backend](config, fabric, why)
+    """The backend's plan for ``config`` and the image's ENTRYPOINT (kept when it runs its
+    arguments), stamped with the launch fingerprint (which depends on the settings alone)."""
+    built = BACKENDS[backend](config, fabric, why).for_image(entrypoint)
     return built.stamped(launch_fingerprint(config))

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from vllm_redeploy.launch.group import LABEL_LAUNCH, NodeFabric
+from vllm_redeploy.launch.entrypoint import ImageEntrypoint
+from vllm_redeploy.launch.group import LABEL_LAUNCH, NodeFabric, container_argv
 from vllm_redeploy.nodes.docker import ContainerSpec
 
 # started: the containers were started (they find each other by themselves);
@@ -60,6 +61,7 @@ class LaunchPlan:
     ranks_log_to_api: bool = False
     fingerprint: str = ""
     fabric: Mapping[str, NodeFabric] = field(default_factory=dict)
+    entrypoint: ImageEntrypoint | None = None  # the image's, as preflight found it
 
     @property
     def api(self) -> Member:
@@ -76,6 +78,17 @@ class LaunchPlan:
     def rank_logs(self) -> list[Member]:
         """The members whose logs hold every rank's NCCL lines."""
         return [self.api] if self.ranks_log_to_api else list(self.members)
+
+    def for_image(self, entrypoint: ImageEntrypoint | None) -> LaunchPlan:
+        """The plan for an image with this ENTRYPOINT: kept in every container when it runs its
+        arguments (our program becomes its command), else replaced by our program."""
+        if entrypoint is None or not entrypoint.kept:
+            return replace(self, entrypoint=entrypoint)
+        members = tuple(
+            replace(m, spec=replace(m.spec, entrypoint=None, command=container_argv(m.spec)))
+            for m in self.members
+        )
+        return replace(self, members=members, entrypoint=entrypoint)
 
     def stamped(self, fingerprint: str) -> LaunchPlan:
         """The plan with every container labelled with the configuration's launch fingerprint

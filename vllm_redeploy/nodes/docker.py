@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import io
+import tarfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -203,6 +205,31 @@ class NodeDocker:
                 return None
 
         return self._call(f"inspect image {image}", lookup)
+
+    def image_entrypoint(self, image: str) -> tuple[list[str] | None, str | None]:
+        """The image's ENTRYPOINT, and when that is one file, its first 64 KiB (read from a
+        container created for it, never started, and removed at once)."""
+
+        def read() -> tuple[list[str] | None, str | None]:
+            entrypoint = (self._client.api.inspect_image(image).get("Config") or {}).get(
+                "Entrypoint"
+            )
+            if not entrypoint or len(entrypoint) != 1 or not entrypoint[0].startswith("/"):
+                return entrypoint or None, None
+            created = self._client.api.create_container(image, command=["true"])["Id"]
+            try:
+                stream, _ = self._client.api.get_archive(created, entrypoint[0])
+                data = b"".join(stream)
+            except docker.errors.NotFound:
+                return entrypoint, None
+            finally:
+                self._client.api.remove_container(created, force=True)
+            with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+                member = tar.next()
+                file = tar.extractfile(member) if member is not None and member.isfile() else None
+                return entrypoint, file.read(65536).decode("utf-8", "replace") if file else None
+
+        return self._call(f"read the entrypoint of image {image}", read)
 
     def list_containers(
         self, name_patterns: Sequence[str] = (), labels: Mapping[str, str] | None = None

@@ -34,7 +34,9 @@ Test-bed knobs (environment):
   ``VRD_PG_LOG_INTERVAL`` (10 s, doubling like vLLM), ``VRD_PG_WAIT_TIMEOUT`` (1800 s, vLLM's),
   ``VRD_DEAD_EXIT_DELAY`` (3 s between a dead rank and the exit),
   ``VRD_RENDEZVOUS_TIMEOUT`` (shortens the mp rendezvous' 600 s), ``VRD_HANDSHAKE_TIMEOUT``
-  (300 s: a headless node-rank 0 waiting for a front-end).
+  (300 s: a headless node-rank 0 waiting for a front-end), ``VRD_NEEDS_LIBRARY`` (a directory
+  that must be on LD_LIBRARY_PATH, else serve fails as FlashInfer's JIT does on a GB10 without
+  NGC's CUDA forward-compatibility libraries).
 - ``VRD_FAULT``: comma-separated ``name[:value]``: crash_during_load, exit_during_load:N, hang,
   wrong_name:NAME, health_503, empty, garbage (one token over and over), slow:SECONDS, http_500,
   html_error, malformed_json,
@@ -109,6 +111,12 @@ UNKNOWN_PARSER_TRACE = """Traceback (most recent call last):
   File "vllm/reasoning/abs_reasoning_parsers.py", line 247, in get_reasoning_parser
     raise KeyError(
 KeyError: "Reasoning parser '{name}' not found. Available parsers: {known}"
+"""
+PTX_TRACE = """Traceback (most recent call last):
+  File "flashinfer/jit/core.py", line 184, in build_and_load
+    return self.load(so_path)
+RuntimeError: CUDA error: the provided PTX was compiled with an unsupported toolchain. \
+(cudaErrorUnsupportedPtxVersion)
 """
 ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 
@@ -1503,6 +1511,13 @@ def run(argv: Sequence[str] | None = None) -> int:
     refused = mp_launcher.refusal(config.launch, config.backend, args.api_server_count)
     if refused is not None and not refused.in_api_server:
         log.traceback(refused.text)
+        return 1
+    if (needed := os.environ.get("VRD_NEEDS_LIBRARY")) and needed not in os.environ.get(
+        "LD_LIBRARY_PATH", ""
+    ).split(":"):
+        # FlashInfer's JIT on a GB10 whose driver is older than the image's CUDA, without the
+        # forward-compatibility libraries NGC's entrypoint puts on the library path.
+        log.traceback(PTX_TRACE)
         return 1
     if config.launch.headless or config.launch.follower:
         return run_headless(config, knobs, log)
