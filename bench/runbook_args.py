@@ -16,7 +16,7 @@ from vllm_redeploy.config import ClusterConfig, load_config
 from vllm_redeploy.endpoint import api_base
 from vllm_redeploy.launch.group import engine_container
 from vllm_redeploy.launch.ray import engine_spec, ray_container, ray_spec
-from vllm_redeploy.nodes.docker import ContainerSpec
+from vllm_redeploy.nodes.containers import ContainerSpec
 
 
 def docker_run(spec: ContainerSpec) -> str:

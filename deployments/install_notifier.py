@@ -17,7 +17,7 @@ from vllm_redeploy import PROJECT
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.names import webhook_path
 from vllm_redeploy.nodes import NodeAccess, NodeDocker, RemoteError, Runner
-from vllm_redeploy.nodes.docker import LABEL_MANAGED
+from vllm_redeploy.nodes.containers import LABEL_MANAGED
 
 UNIT_NAME = "vllm-redeploy-notify.service"
 SCRIPT_PATH = "usr/local/lib/vllm-redeploy/notify.py"

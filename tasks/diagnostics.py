@@ -12,7 +12,7 @@ from tasks.context import Run
 from vllm_redeploy.launch.ray import ray_container
 from vllm_redeploy.names import artifact_key
 from vllm_redeploy.nodes import NodeAccess, RemoteError, fan_out
-from vllm_redeploy.nodes.docker import cluster_labels
+from vllm_redeploy.nodes.containers import cluster_labels
 from vllm_redeploy.nodes.result import MASK
 from vllm_redeploy.parsers.nvidia_smi import COMPUTE_APPS_ARGV
 from vllm_redeploy.safe_text import fenced, one_line, shown

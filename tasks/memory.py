@@ -30,7 +30,7 @@ from vllm_redeploy.memory import (
     parse_top_memory,
 )
 from vllm_redeploy.names import container_name
-from vllm_redeploy.nodes.docker import ContainerSpec, project_labels
+from vllm_redeploy.nodes.containers import ContainerSpec, project_labels
 from vllm_redeploy.safe_text import shown
 
 STEP = "memory"

@@ -12,7 +12,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import RETRY_TRANSIENT, Run, log
-from vllm_redeploy.nodes.docker import ContainerInfo, cluster_labels
+from vllm_redeploy.nodes.containers import ContainerInfo, cluster_labels
 from vllm_redeploy.safe_text import shown
 
 

@@ -7,7 +7,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.context import Run, log
 from vllm_redeploy.nodes import fan_out
-from vllm_redeploy.nodes.docker import cluster_labels
+from vllm_redeploy.nodes.containers import cluster_labels
 
 
 @task(name="teardown", cache_policy=NO_CACHE)

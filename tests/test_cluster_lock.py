@@ -31,7 +31,7 @@ from tests.testbed.procs import spawn, stop, wait_until
 from vllm_redeploy.config import load_config
 from vllm_redeploy.names import artifact_key, lock_name
 from vllm_redeploy.nodes import NodeAccess
-from vllm_redeploy.nodes.docker import LABEL_MANAGED, cluster_labels
+from vllm_redeploy.nodes.containers import LABEL_MANAGED, cluster_labels
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 BIN = Path(sys.executable).parent

@@ -17,7 +17,8 @@ from vllm_redeploy.nodes import (
     SSHRunner,
     project_labels,
 )
-from vllm_redeploy.nodes.docker import LABEL_CLUSTER, node_docker_for
+from vllm_redeploy.nodes.containers import LABEL_CLUSTER
+from vllm_redeploy.nodes.docker import node_docker_for
 
 pytestmark = pytest.mark.integration
 

@@ -46,7 +46,7 @@ from vllm_redeploy import PROJECT
 from vllm_redeploy.config import ClusterConfig, load_config
 from vllm_redeploy.launch.group import engine_container
 from vllm_redeploy.launch.ray import ray_container
-from vllm_redeploy.nodes.docker import LABEL_CLUSTER, LABEL_MANAGED, LABEL_ROLE
+from vllm_redeploy.nodes.containers import LABEL_CLUSTER, LABEL_MANAGED, LABEL_ROLE
 from vllm_redeploy.probe import run_probe
 from vllm_redeploy.summary import StepEvent, listening
 

@@ -42,7 +42,7 @@ from vllm_redeploy.launch.ray import (
     vllm_serve_args,
 )
 from vllm_redeploy.nodes import NodeAccess
-from vllm_redeploy.nodes.docker import ContainerSpec, cluster_labels
+from vllm_redeploy.nodes.containers import ContainerSpec, cluster_labels
 from vllm_redeploy.probe import run_probe
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "cluster.example.toml"

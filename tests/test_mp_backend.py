@@ -31,7 +31,7 @@ from vllm_redeploy.launch import LaunchPlan, NodeFabric, Phase, plan_for
 from vllm_redeploy.launch import mp as mp_launch
 from vllm_redeploy.launch.choose import BACKENDS
 from vllm_redeploy.launch.group import LABEL_BACKEND
-from vllm_redeploy.nodes.docker import LABEL_MANAGED
+from vllm_redeploy.nodes.containers import LABEL_MANAGED
 from vllm_redeploy.status import collect_status
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

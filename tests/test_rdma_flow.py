@@ -21,7 +21,7 @@ import pytest
 from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import keep_for_notes, make_bed
 from tests.testbed.bed import TestBed, to_toml
-from vllm_redeploy.nodes.docker import LABEL_MANAGED
+from vllm_redeploy.nodes.containers import LABEL_MANAGED
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 CLI = Path(sys.executable).parent / "vllm-redeploy"

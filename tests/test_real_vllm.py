@@ -31,7 +31,7 @@ from tests.testbed import real_vllm
 from tests.testbed.bed import SERVED_NAME, TestBed
 from tests.testbed.procs import freeze_container
 from vllm_redeploy.config import load_config
-from vllm_redeploy.nodes.docker import LABEL_CLUSTER
+from vllm_redeploy.nodes.containers import LABEL_CLUSTER
 from vllm_redeploy.status import collect_status
 
 pytestmark = [pytest.mark.integration, pytest.mark.real_vllm, pytest.mark.timeout(600)]

@@ -22,7 +22,7 @@ from vllm_redeploy.nodes import (
     HostKeyRejected,
     NodeAccess,
 )
-from vllm_redeploy.nodes.docker import LABEL_CLUSTER
+from vllm_redeploy.nodes.containers import LABEL_CLUSTER
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,7 @@ from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import make_bed
 from tests.testbed.bed import TestBed
 from tests.testbed.image import REPO
-from vllm_redeploy.nodes.docker import LABEL_MANAGED
+from vllm_redeploy.nodes.containers import LABEL_MANAGED
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 FAST = {"VRD_LOAD_SECONDS": "1"}

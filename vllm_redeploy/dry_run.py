@@ -19,7 +19,7 @@ from vllm_redeploy.launch import (
 from vllm_redeploy.launch.choose import AUTO, AUTO_NOTE
 from vllm_redeploy.memory import DROP_SCRIPT
 from vllm_redeploy.nodes import NodeAccess, RemoteError, fan_out, render_command
-from vllm_redeploy.nodes.docker import ContainerInfo, ContainerSpec, cluster_labels
+from vllm_redeploy.nodes.containers import ContainerInfo, ContainerSpec, cluster_labels
 from vllm_redeploy.parsers.fabric import FABRIC_ARGV, FabricFacts, parse_fabric
 from vllm_redeploy.parsers.nvidia_smi import COMPUTE_APPS_ARGV, GPUS_ARGV
 from vllm_redeploy.safe_text import one_line, shown

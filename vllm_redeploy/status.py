@@ -40,7 +40,7 @@ from vllm_redeploy.launch.ray import (
 )
 from vllm_redeploy.names import container_name
 from vllm_redeploy.nodes import NodeAccess, RemoteError, fan_out
-from vllm_redeploy.nodes.docker import LABEL_ROLE, cluster_labels
+from vllm_redeploy.nodes.containers import LABEL_ROLE, cluster_labels
 from vllm_redeploy.probe import ProbeVerdict, run_probe
 from vllm_redeploy.safe_text import one_line, shown
 from vllm_redeploy.transport import TransportVerdict, judge_nodes

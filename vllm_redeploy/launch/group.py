@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from vllm_redeploy.config import ClusterConfig, NodeConfig
 from vllm_redeploy.names import container_name
-from vllm_redeploy.nodes.docker import ContainerSpec, project_labels
+from vllm_redeploy.nodes.containers import ContainerSpec, project_labels
 from vllm_redeploy.parsers.fabric import FabricFacts
 
 LABEL_LAUNCH = "io.vllm-redeploy.launch"

@@ -22,7 +22,7 @@ from vllm_redeploy.config import ClusterConfig, NodeConfig
 from vllm_redeploy.launch.group import ENGINE_ROLE, NodeFabric, group_spec, node_env, serve_args
 from vllm_redeploy.launch.plan import LaunchPlan, Member, Phase
 from vllm_redeploy.names import container_name
-from vllm_redeploy.nodes.docker import ContainerSpec
+from vllm_redeploy.nodes.containers import ContainerSpec
 
 BACKEND = "mp"
 LEADER_ROLE = "leader"

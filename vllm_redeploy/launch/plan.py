@@ -15,7 +15,7 @@ from typing import Literal
 
 from vllm_redeploy.launch.entrypoint import ImageEntrypoint
 from vllm_redeploy.launch.group import LABEL_LAUNCH, NodeFabric, container_argv
-from vllm_redeploy.nodes.docker import ContainerSpec
+from vllm_redeploy.nodes.containers import ContainerSpec
 
 # started: the containers were started (they find each other by themselves);
 # ray-head-up: `ray start --head` said it is up (or a short wait passed);

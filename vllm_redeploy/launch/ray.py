@@ -20,7 +20,7 @@ from vllm_redeploy.launch.group import (
 )
 from vllm_redeploy.launch.plan import LaunchPlan, Member, Phase
 from vllm_redeploy.names import container_name
-from vllm_redeploy.nodes.docker import ContainerSpec
+from vllm_redeploy.nodes.containers import ContainerSpec
 
 BACKEND = "ray"
 RAY_ROLE = "ray"

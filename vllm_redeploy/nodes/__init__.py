@@ -8,13 +8,8 @@ from vllm_redeploy.nodes.access import (
     fan_out,
     runner_for,
 )
-from vllm_redeploy.nodes.docker import (
-    ContainerInfo,
-    ContainerSpec,
-    DockerError,
-    NodeDocker,
-    project_labels,
-)
+from vllm_redeploy.nodes.containers import ContainerInfo, ContainerSpec, project_labels
+from vllm_redeploy.nodes.docker import DockerError, NodeDocker
 from vllm_redeploy.nodes.errors import (
     AuthenticationFailed,
     CommandError,

@@ -14,7 +14,6 @@ import tarfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -26,7 +25,7 @@ from docker.models.containers import Container
 from docker.transport.sshconn import SSHHTTPAdapter
 from docker.types import DeviceRequest, Ulimit
 
-from vllm_redeploy import PROJECT
+from vllm_redeploy.nodes.containers import ContainerInfo, ContainerSpec
 from vllm_redeploy.nodes.errors import RemoteError
 from vllm_redeploy.nodes.result import CommandResult
 from vllm_redeploy.nodes.runner import OutputCapture, Runner
@@ -37,9 +36,6 @@ from vllm_redeploy.safe_text import one_line
 # device requests need 1.40). Fixed so that creating a client never contacts the node.
 API_VERSION = "1.41"
 API_TIMEOUT_S = 60
-LABEL_MANAGED = "io.vllm-redeploy.managed-by"
-LABEL_CLUSTER = "io.vllm-redeploy.cluster"
-LABEL_ROLE = "io.vllm-redeploy.role"
 # Placeholder base URL: the real transport is mounted on http+docker://ssh below.
 _SSH_BASE_URL = "http+docker://ssh"
 _UNUSED_TCP_URL = "tcp://127.0.0.1:9"
@@ -56,53 +52,6 @@ class DockerError(RemoteError):
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
         return (DockerError, (self.node, self.message, self.transient))
-
-
-def cluster_labels(cluster: str) -> dict[str, str]:
-    """The labels that select every container this project made for ``cluster``."""
-    return {LABEL_MANAGED: PROJECT, LABEL_CLUSTER: cluster}
-
-
-def project_labels(cluster: str, role: str) -> dict[str, str]:
-    """Labels on every container this project creates, so it can find its own."""
-    return {**cluster_labels(cluster), LABEL_ROLE: role}
-
-
-@dataclass(frozen=True)
-class ContainerInfo:
-    id: str
-    name: str
-    image: str
-    status: str  # created, running, paused, restarting, removing, exited, dead
-    restart_policy: str
-    labels: Mapping[str, str]
-    exit_code: int | None
-    oom_killed: bool
-    started_at: datetime | None = None  # None when not running
-
-    @property
-    def running(self) -> bool:
-        return self.status in ("running", "restarting")
-
-
-@dataclass(frozen=True)
-class ContainerSpec:
-    """A detached container on the host's network and IPC namespace (as vLLM and Ray need)."""
-
-    name: str
-    image: str
-    command: Sequence[str] = ()
-    entrypoint: Sequence[str] | None = None
-    env: Mapping[str, str] = field(default_factory=dict)
-    volumes: Sequence[str] = ()  # docker -v syntax: HOST:CONTAINER[:ro]
-    labels: Mapping[str, str] = field(default_factory=dict)
-    shm_size: str | None = None
-    gpus: int | None = None  # None: no GPU request; -1: all GPUs of the node
-    pid_mode: str | None = None  # e.g. "container:NAME" to share another container's PIDs
-    devices: Sequence[str] = ()  # docker --device syntax: HOST[:CONTAINER[:PERMISSIONS]]
-    cap_add: Sequence[str] = ()
-    ulimits: Mapping[str, int] = field(default_factory=dict)  # name -> soft = hard; -1 unlimited
-    privileged: bool = False
 
 
 class _RunnerSSHAdapter(SSHHTTPAdapter):
@@ -441,10 +390,7 @@ def _plain(exc: docker.errors.DockerException) -> str:
 __all__ = [
     "CommandResult",
     "ContainerExecRunner",
-    "ContainerInfo",
-    "ContainerSpec",
     "DockerError",
     "NodeDocker",
     "docker_client_for",
-    "project_labels",
 ]
