@@ -20,6 +20,7 @@ from vllm_redeploy.launch import (
     asks_the_image,
     choose,
     plan_for,
+    refusal,
 )
 from vllm_redeploy.launch.ray import ray_check_spec
 from vllm_redeploy.nodes import (
@@ -173,13 +174,8 @@ def judge_preflight(run: Run, facts: list[NodeFacts]) -> LaunchPlan:
                 f"{f.node}: image {config.vllm.image} is not on the node "
                 "(docker pull it there, or docker save | docker load from another node)"
             )
-        elif f.ray_checked and f.ray_path is None and config.vllm.backend == "ray":
-            problems.append(
-                f"{f.node}: `ray` does not run in image {config.vllm.image} (backend = "
-                '"ray"); vLLM images since 0.18 do not bundle Ray: set backend = "mp" (vLLM\'s '
-                "own multi-node launcher, no Ray needed), or use an image that carries Ray "
-                "(vLLM 0.17 or older, or one built FROM yours with `pip install ray[default]`)"
-            )
+        elif f.ray_checked and (refused := refusal(config, f.ray_path)):
+            problems.append(f"{f.node}: {refused}")
         if f.fabric is not None and not f.fabric.rdma_checked:
             problems.append(f"{f.node}: {'; '.join(f.fabric.problems())}")
         if not f.fabric_ip_local:

@@ -8,6 +8,7 @@ from vllm_redeploy.launch.choose import (
     candidates,
     choose,
     plan_for,
+    refusal,
 )
 from vllm_redeploy.launch.entrypoint import ImageEntrypoint
 from vllm_redeploy.launch.fingerprint import launch_fingerprint
@@ -40,4 +41,5 @@ __all__ = [
     "launch_fingerprint",
     "node_env",
     "plan_for",
+    "refusal",
 ]

@@ -48,6 +48,18 @@ def choose(config: ClusterConfig, ray_path: str | None) -> tuple[str, str]:
     return ray.BACKEND, reason(ray.BACKEND, f"the image carries Ray at {ray_path}")
 
 
+def refusal(config: ClusterConfig, ray_path: str | None) -> str | None:
+    """Why the configured backend cannot run on this image (None: it can)."""
+    if config.vllm.backend != ray.BACKEND or ray_path is not None:
+        return None
+    return (
+        f'`ray` does not run in image {config.vllm.image} (backend = "ray"); vLLM images since '
+        '0.18 do not bundle Ray: set backend = "mp" (vLLM\'s own multi-node launcher, no Ray '
+        "needed), or use an image that carries Ray (vLLM 0.17 or older, or one built FROM yours "
+        "with `pip install ray[default]`)"
+    )
+
+
 def candidates(config: ClusterConfig) -> list[tuple[str, str]]:
     """What a run may launch before the image is asked (the dry run shows each)."""
     backend = config.vllm.backend
