@@ -741,13 +741,17 @@ class MpNode:
     def memory_failed(self, rank: int, message: str) -> ExecutorFailed:
         return self.worker_failed(rank, MEMORY, f"ValueError: {message}")
 
-    def all_reduce(self, frames: Sequence[str] = MODEL_STEP) -> None:
-        """A collective of every rank (the profile run, each model step): it fails once the
-        ranks of another node are gone, as NCCL does, and waits for a frozen one until
-        VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (then StepTimedOut)."""
-        if not self.lost_peers and self.server is not None and frames is MODEL_STEP:
+    def model_step(self) -> None:
+        """One model step on the leader: every rank takes part, so a frozen one blocks it until
+        VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (then StepTimedOut), and a lost one fails it."""
+        if not self.lost_peers and self.server is not None:
             timeout = float(self.env.get("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "") or 0)
             self.server.step(timeout or EXECUTE_MODEL_TIMEOUT_S)
+        self.all_reduce()
+
+    def all_reduce(self, frames: Sequence[str] = MODEL_STEP) -> None:
+        """A collective of every rank (the profile run, each model step): it fails once the
+        ranks of another node are gone, as NCCL does."""
         if not self.lost_peers:
             return
         self.emit(

@@ -673,7 +673,7 @@ class Engine:
         if self.mp is None or self.dead.is_set():
             return
         try:
-            self.mp.all_reduce()
+            self.mp.model_step()
         except mp_launcher.StepTimedOut:
             # The executor's collective_rpc gave up on a rank that never answered.
             fatal = "EngineCore encountered a fatal error.\n" + mp_launcher.traceback_text(
