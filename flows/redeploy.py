@@ -4,7 +4,9 @@ First: change nothing when the cluster is paused or crash-looping (see tasks/gua
 recovery waits its backoff. Then, for the whole run, hold the cluster, so no other run of it
 (nightly, after-reboot, recover, manual) touches its nodes meanwhile.
 0. Preflight: every node reachable (late ones waited for), Docker, image, model, fabric IP and
-   fabric (interfaces, RDMA HCAs); pick the launch backend from what the image holds.
+   fabric (interfaces, RDMA HCAs); pick the launch backend from what the image holds. Then
+   every node reaches every other over the fabric on a port vLLM's ranks would use (a firewall
+   that opens only the named ports is named here, not as a silent hang at the start).
 1. Stop what auto-starts at boot (units, containers) and our own earlier containers.
 2. Make sure every GPU is free, the memory vLLM will ask for (page cache dropped on unified
    memory), and the head's ports.
@@ -34,6 +36,7 @@ from prefect.states import Completed, State
 
 from tasks.context import Run, StepFailed, log
 from tasks.diagnostics import collect_diagnostics
+from tasks.fabric_reach import judge_reach, pick_port, reach_from
 from tasks.gpus_clear import wait_gpus_clear
 from tasks.guard import Trigger, guard_run
 from tasks.inspect_deployment import inspect_deployment
@@ -177,6 +180,10 @@ def _runbook(run: Run, mode: Mode, step: Steps) -> dict[str, Any]:
     plan = judge_preflight(run, facts)
     summary.backend = plan.reason
     summary.notes += [note for f in facts for note in f.notes]
+    if len(nodes) > 1:
+        port = pick_port()
+        reports = step("fabric-reach", per_node, reach_from, run, nodes, port)
+        summary.notes += judge_reach(run, plan, reports, port)
     summary.stopped = step("stop-autostart", per_node, stop_autostart, run, nodes)
     summary.gpus = step("gpus-clear", per_node, wait_gpus_clear, run, nodes)
     gpus = {g.node: g for g in summary.gpus}

@@ -571,6 +571,34 @@ def test_worker_fabric_ip_does_not_match(fault_bed: TestBed, row: Row, ip: str) 
     row.detect = f"{took:.1f} s after the start, before any change"
 
 
+def test_a_firewall_that_opens_only_the_named_ports(fault_bed: TestBed, row: Row) -> None:
+    worker = fault_bed.node(WORKER).ip
+    row.fault = (
+        f"a firewall drops new TCP to {WORKER}'s fabric IP on the ephemeral ports (the named "
+        "ports open, as a firewall opened for the master port only)"
+    )
+    make_served(fault_bed)
+    before = {n.name: ours(n) for n in fault_bed.nodes}
+    rule = ["OUTPUT", "-p", "tcp", "-d", worker, "--dport", "32768:60999",
+            "-m", "conntrack", "--ctstate", "NEW", "-j", "DROP"]  # fmt: skip
+    subprocess.run(["iptables", "-I", *rule], check=True, capture_output=True)
+    try:
+        outcome = run_flow(fault_bed)
+    finally:
+        subprocess.run(["iptables", "-D", *rule], check=False, capture_output=True)
+    message = outcome.message
+    assert message.startswith(f"fabric-reach: {HEAD} cannot reach {WORKER} at {worker}:"), message
+    assert "(no answer within 10 s: a firewall drops the packets)" in message
+    assert "Besides the named ports (the API port 30000, the Ray port " in message
+    assert "Allow all TCP between the nodes' fabric IPs" in message
+    # Named before anything was stopped: the served group is still there and serves.
+    assert {n.name: ours(n) for n in fault_bed.nodes} == before
+    assert served(fault_bed)
+    took = outcome.detected_after(outcome.clock.at("fabric-reach", "running"))
+    row.outcome = f"Failed: {first_line(message)}"
+    row.detect = f"{took:.1f} s after fabric-reach began, before any change"
+
+
 def test_engine_killed_during_load(fault_bed: TestBed, row: Row) -> None:
     row.fault = "engine killed during the load (SIGKILL, exit 137, CUDA OOM in its log)"
     events = fault_bed.root / "engine-events.jsonl"

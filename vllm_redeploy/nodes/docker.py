@@ -269,8 +269,8 @@ class NodeDocker:
     def run_to_completion(self, spec: ContainerSpec, timeout_s: float) -> tuple[int | None, str]:
         """Run ``spec`` once: (exit code, or None past the timeout; its log). Removed after."""
         self.remove(spec.name)
-        self.run_detached(spec)
         try:
+            self.run_detached(spec)  # a container created but not started is removed too
             code = self.wait(spec.name, timeout_s)
             return code, self.logs_tail(spec.name, lines=200)
         finally:
