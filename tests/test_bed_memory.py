@@ -242,8 +242,11 @@ def test_tools_and_docker_over_ssh_run_in_the_nodes_view(
 # --------------------------------------------------------------------------- vLLM on one node
 
 
-def standin_spec(config: ClusterConfig, util: float) -> tuple[ContainerSpec, str]:
-    """`vllm serve` on node-1 alone (TP=1, no Ray), with the bed's settings."""
+def standin_spec(
+    config: ClusterConfig, util: float, version: str = "0.24.0"
+) -> tuple[ContainerSpec, str]:
+    """`vllm serve` on node-1 alone (TP=1, no Ray), with the bed's settings, claiming
+    ``version`` (by default one that reads MemFree: the page cache is not free)."""
     node = config.nodes[0]
     port = str(free_port(node.ip))
     serve = ["serve", config.vllm.model, "--host", node.ip, "--port", port,
@@ -253,7 +256,7 @@ def standin_spec(config: ClusterConfig, util: float) -> tuple[ContainerSpec, str
         image=config.vllm.image,
         entrypoint=["vllm"],
         command=serve,
-        env={**node_env(node, config), "VRD_LOAD_SECONDS": "1"},
+        env={**node_env(node, config), "VRD_LOAD_SECONDS": "1", "VRD_VLLM_VERSION": version},
         volumes=list(config.vllm.volumes),
     )
     return spec, f"http://{node.ip}:{port}"
@@ -298,6 +301,40 @@ def test_vllm_refuses_while_page_cache_holds_memory_and_starts_after_a_drop(
     # The process is gone: the node's watcher shows its memory back.
     wait_until(lambda: memory.usage().held == {}, 5, "the engine's memory released")
     assert meminfo(access["node-1"])["MemAvailable"] > 100 * GIB
+
+
+@pytest.mark.parametrize(
+    ("version", "reads"),
+    [
+        ("0.16.0", "MemFree"),
+        ("0.17.1", "MemAvailable"),
+        ("0.23.1", "MemAvailable"),
+        ("0.24.0", "MemFree"),
+    ],
+)
+def test_what_vllm_counts_as_free_depends_on_its_version(
+    bed: TestBed, access: dict[str, NodeAccess], config: ClusterConfig, version: str, reads: str
+) -> None:
+    """The same node full of page cache: versions that read MemAvailable (0.17 to 0.23) start,
+    the others refuse, quoting MemFree."""
+    memory, docker = bed.node("node-1").memory, access["node-1"].docker
+    memory.fill_cache(35)
+    try:
+        found = meminfo(access["node-1"])
+        assert found["MemFree"] < 0.75 * 121.69 * GIB < found["MemAvailable"]
+        spec, _ = standin_spec(config, 0.75, version)
+        docker.run_detached(spec)
+        log = wait_started_or_exited(docker, spec.name)
+        if reads == "MemAvailable":
+            assert STARTED in log, log
+        else:
+            assert docker.wait(spec.name, 10) == 1, log
+            free_gib = round(found["MemFree"] / GIB, 2)
+            assert f"Free memory on device ({free_gib}/121.69 GiB) on startup" in log, log
+    finally:
+        docker.remove(spec.name)
+        drop_caches(access["node-1"], config)
+        wait_until(lambda: memory.usage().held == {}, 5, "the engine's memory released")
 
 
 # --------------------------------------------------------------------------- Ray's memory monitor

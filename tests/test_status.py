@@ -3,6 +3,7 @@ stand-in and a real Prefect server. What a person or a script reads from them.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,6 +21,7 @@ from deployments.cli import app
 from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import make_bed
 from tests.testbed.bed import SERVED_NAME, TestBed, bed_ip
+from tests.testbed.procs import kill_in_container
 from vllm_redeploy.config import NodeConfig, load_config
 from vllm_redeploy.launch.group import engine_container
 from vllm_redeploy.launch.mp import follower_container
@@ -30,6 +32,7 @@ from vllm_redeploy.status import (
     EndpointStatus,
     NodeStatus,
     RayStatus,
+    collect_status,
     judge,
 )
 
@@ -129,6 +132,7 @@ def test_the_run_command_piped_prints_a_line_per_step_then_the_summary(
         "guard",
         "cluster-lock",
         "preflight",
+        "fabric-reach",
         "stop-autostart",
         "gpus-clear",
         "memory",
@@ -149,6 +153,25 @@ def test_the_run_command_piped_prints_a_line_per_step_then_the_summary(
     assert "- vLLM 0.19.0" in summary and f"served at http://{bed_ip(91)}:30000/v1" in summary
     assert "- healthy: reasoning only: the token budget ended inside thinking" in summary
     assert "- reasoning: \u201cThinking Process:" in summary
+
+
+def test_a_rank_killed_inside_a_live_container_is_found_by_a_generation(
+    deployed: tuple[TestBed, Path],
+) -> None:
+    """vLLM's Ray executor assumes its ranks are healthy: a RayWorkerWrapper killed inside the
+    worker's Ray container (an OOM kill) leaves the containers up, /health and /v1/models 200.
+    The quick look calls that healthy; the generation (every few looks) gets HTTP 500."""
+    bed, path = deployed
+    config = load_config(path, env_file=None)
+    with contextlib.closing(bed.nodes[1].engine.client()) as client:
+        kill_in_container(client.containers.get(ray_container(config)), "RayWorkerWrapper")
+    quick = collect_status(config, quick=True)
+    assert quick.healthy, quick.problems
+    assert quick.endpoint.health == 200 and quick.endpoint.models == [config.vllm.served_name]
+    status = collect_status(config, quick=True, generate=True)
+    generation = status.endpoint.generation
+    assert generation is not None and generation.verdict == "failed", generation
+    assert "HTTP 500" in generation.detail and generation.detail in status.problems
 
 
 def test_status_after_the_engine_is_gone(deployed: tuple[TestBed, Path]) -> None:

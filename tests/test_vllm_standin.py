@@ -380,14 +380,41 @@ class TestTwoNodeServer:
 # --------------------------------------------------------------------------- Ray failure modes
 
 
-def test_dead_rank_turns_health_503_then_exits(cluster: Cluster, ray_launcher: Launcher) -> None:
+def _answers_200_until_a_request_finds_the_rank_gone(standin: Standin, quiet_s: float) -> None:
+    """vLLM's Ray executor does not watch its ranks once serving: /health and /v1/models stay 200
+    (the stand-in used to turn 503 within a second); the next request fails with HTTP 500 and
+    the server exits 1."""
+    deadline = time.monotonic() + quiet_s
+    while time.monotonic() < deadline:
+        assert status(standin, "/health") == 200 and status(standin, "/v1/models") == 200
+        time.sleep(0.5)
+    answer = standin.chat(timeout=180, model=SERVED, max_tokens=5)
+    assert answer.status_code == 500, answer.text
+    assert standin.wait_exit(20) == 1
+
+
+def test_dead_rank_keeps_health_200_until_a_request_fails(
+    cluster: Cluster, ray_launcher: Launcher
+) -> None:
     standin = ray_launcher.serve(*ray_flags(), tp=2, env=ray_env(cluster, VRD_DEAD_EXIT_DELAY="2"))
     [worker_rank] = live(cluster.worker.gpu_state)
-    os.kill(worker_rank.pid, signal.SIGKILL)  # as if the worker node's container died
-    wait_until(lambda: status(standin, "/health") == 503, 20, "/health 503")
-    assert standin.wait_exit(20) == 1
+    os.kill(worker_rank.pid, signal.SIGKILL)  # an OOM kill inside a live container
+    _answers_200_until_a_request_finds_the_rank_gone(standin, quiet_s=5)
     assert "ray.exceptions.ActorDiedError: The actor died" in standin.output()
     wait_until(lambda: not live(cluster.head.gpu_state), 15, "head rank released")
+
+
+def test_a_rank_that_dies_during_the_load_fails_the_engine_at_once(
+    cluster: Cluster, ray_launcher: Launcher
+) -> None:
+    env = ray_env(cluster, VRD_DEAD_EXIT_DELAY="1", VRD_LOAD_SECONDS="60")
+    standin = ray_launcher.start(*ray_flags(), tp=2, env=env)
+    wait_until(lambda: len(live(cluster.worker.gpu_state)) == 1, 60, "the worker's rank")
+    [worker_rank] = live(cluster.worker.gpu_state)
+    os.kill(worker_rank.pid, signal.SIGKILL)
+    assert standin.wait_exit(20) == 1
+    assert "ray.exceptions.ActorDiedError: The actor died" in standin.output()
+    assert standin.refuses_connections() or standin.proc.poll() is not None
 
 
 def test_killed_standin_releases_every_rank(cluster: Cluster, ray_launcher: Launcher) -> None:
@@ -399,14 +426,13 @@ def test_killed_standin_releases_every_rank(cluster: Cluster, ray_launcher: Laun
         wait_until(lambda n=node: not live(n.gpu_state), 15, f"ranks on {node.ip} released")
 
 
-def test_dead_worker_node_turns_health_503_then_exits(
+def test_dead_worker_node_keeps_health_200_until_a_request_fails(
     cluster: Cluster, ray_launcher: Launcher
 ) -> None:
     standin = ray_launcher.serve(*ray_flags(), tp=2, env=ray_env(cluster, VRD_DEAD_EXIT_DELAY="1"))
     _kill_marked(f"{cluster.root}:worker")  # the worker node's container dies, ranks and all
     try:
-        wait_until(lambda: status(standin, "/health") == 503, 30, "/health 503")
-        assert standin.wait_exit(20) == 1
+        _answers_200_until_a_request_finds_the_rank_gone(standin, quiet_s=3)
         assert "The actor died because its node has died." in standin.output()
     finally:
         cluster.worker.proc.wait(10)

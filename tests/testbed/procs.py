@@ -199,3 +199,15 @@ def freeze_container(container: Any) -> list[int]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGSTOP)
     return pids
+
+
+def kill_in_container(container: Any, fragment: str) -> int:
+    """SIGKILL the process of a Docker container (docker SDK object) whose command line has
+    ``fragment``, as the kernel's OOM killer picks one process and leaves the container up.
+    Returns its host PID."""
+    top = container.top(ps_args="-eo pid,args")
+    found = [int(row[0]) for row in top["Processes"] if fragment in row[1]]
+    if not found:
+        raise LookupError(f"no {fragment!r} in {container.name}: {top['Processes']}")
+    os.kill(found[0], signal.SIGKILL)
+    return found[0]

@@ -3,8 +3,8 @@
 On a DGX Spark the GPU allocates from system memory. With ``VRD_UNIFIED_MEMORY=1`` and a memory
 model for the node (tests.testbed.memory, next to its GPU state), each rank
 
-- refuses to start as vLLM does when the node's free memory without the page cache (MemFree)
-  is below --gpu-memory-utilization x the GPU's total;
+- refuses to start as vLLM does when the node's free memory is below --gpu-memory-utilization x
+  the GPU's total, free memory as the claimed vLLM version reads it (:func:`free_field`);
 - while loading adds its share of the weights to the node's page cache (reading safetensors)
   and to what it holds, then holds utilization x total for the KV cache, until it exits or dies;
 - dies by SIGKILL when nothing can make room for an allocation (the kernel's OOM killer).
@@ -46,9 +46,25 @@ def free_memory_message(free_mib: float, total_mib: int, want_mib: int, util: fl
     )
 
 
-def shortfall(node: memory.NodeMemory, want_mib: int, total_mib: int, util: float) -> str | None:
-    """vLLM's refusal when MemFree (the page cache is not free) is below what it wants."""
-    free_mib = node.free_kib() / KIB_PER_MIB
+def free_field(version: str) -> str:
+    """Which /proc/meminfo figure the vLLM ``version`` takes for the GPU's free memory on a GB10.
+
+    Before 0.17, CUDA's own figure (cudaMemGetInfo), which leaves the page cache out: MemFree.
+    0.17 to 0.19 read MemAvailable on compute capability 12.1, and later versions on any
+    integrated GPU (``is_integrated_gpu``): the page cache counts as free. vllm#48140 reports
+    MemFree again on 0.24; no fix is known, so 0.24 and later read MemFree, the harder rule.
+    """
+    parts = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+    return "MemAvailable" if (0, 17) <= parts < (0, 24) else "MemFree"
+
+
+def shortfall(
+    node: memory.NodeMemory, want_mib: int, total_mib: int, util: float, version: str
+) -> str | None:
+    """vLLM's refusal when the free memory it reads (:func:`free_field`) is below what it
+    wants."""
+    free_kib = node.available_kib() if free_field(version) == "MemAvailable" else node.free_kib()
+    free_mib = free_kib / KIB_PER_MIB
     if free_mib >= want_mib:
         return None
     return free_memory_message(free_mib, total_mib, want_mib, util)

@@ -11,7 +11,10 @@ With TP x PP > 1, or ``--distributed-executor-backend ray``, it joins the Ray cl
 (``RAY_ADDRESS``, else "auto") and reserves one GPU per rank the way vLLM does: a placement group
 of ``{"GPU": 1}`` bundles whose first bundle is pinned to ``node:<VLLM_HOST_IP>``, waiting (and
 saying so in vLLM's words) while it cannot be placed. One Ray actor per rank holds "GPU memory"
-on its own node through :mod:`gpu_state`; if one dies, ``/health`` turns 503 and the server exits 1.
+on its own node through :mod:`gpu_state`. A rank that dies while the weights load fails the
+engine at once (the load is a call to every rank); once serving, nothing watches them, as vLLM's
+Ray executor's ``check_health`` assumes its workers are healthy: ``/health`` and ``/v1/models``
+stay 200 until a request's model step finds the rank gone, gets HTTP 500, and the server exits 1.
 On a unified-memory node (GB10, ``VRD_UNIFIED_MEMORY=1``) the ranks check, fill and hold the node's
 emulated memory instead (:mod:`unified_memory`).
 With more than one rank, every rank then joins one NCCL communicator (:mod:`nccl`): it picks IB
@@ -507,7 +510,7 @@ def hold_gpu(knobs: Knobs, name: str, util: float, gpu: int = 0) -> gpu_state.Re
     node = node_memory(knobs)
     if node is None:
         check_free_memory(directory, gpu, want, knobs.gpu_total_mib, util)
-    elif problem := unified_memory.shortfall(node, want, knobs.gpu_total_mib, util):
+    elif problem := unified_memory.shortfall(node, want, knobs.gpu_total_mib, util, knobs.version):
         raise FreeMemoryError(problem)
     return gpu_state.register(directory, name, want, gpu=gpu)
 
@@ -592,6 +595,7 @@ class Engine:
     knobs: Knobs
     log: Log
     dead: threading.Event = field(default_factory=threading.Event)
+    serving: threading.Event = field(default_factory=threading.Event)
     holds: list[gpu_state.Registration] = field(default_factory=list)  # flocks live with these
     loads: list[unified_memory.UnifiedLoad] = field(default_factory=list)
     actors: list[Any] = field(default_factory=list)
@@ -668,9 +672,14 @@ class Engine:
             raise EngineFailed(mp_launcher.WORKER_FAILED_TRACE, mp_launcher.ENGINE_PROCS) from None
 
     def execute_model(self) -> None:
-        """One model step. On mp it is a collective of every node: vLLM serves on (``/health``
-        200) after a node is gone, until the next step fails and kills the engine."""
-        if self.mp is None or self.dead.is_set():
+        """One model step. On mp it is a collective of every node, on Ray a call to every rank:
+        vLLM serves on (``/health`` 200) after a node or rank is gone, until the next step fails
+        and kills the engine."""
+        if self.dead.is_set():
+            return
+        if self.ranks is not None:
+            self.ranks.step()
+        if self.mp is None:
             return
         try:
             self.mp.model_step()
@@ -690,7 +699,7 @@ class Engine:
             self.dead.set()
 
     def watch(self) -> None:
-        """From now on a dead rank kills the engine (before, the calls to it fail)."""
+        """Until serving, a dead rank kills the engine: the load is a call to every rank."""
         if self.ranks is not None:
             threading.Thread(target=self.ranks.watch, name="rank-monitor", daemon=True).start()
 
@@ -707,6 +716,9 @@ class Engine:
             f"backend='auto', reasoning_parser={c.reasoning_parser!r}), seed=0, "
             f"served_model_name={c.served_names[0]}, enable_prefix_caching=True"
         )
+
+
+STEP_WAIT_S = 120.0  # how long a model step waits for a rank Ray cannot reach (the stand-in's)
 
 
 class RayRanks:
@@ -886,12 +898,30 @@ class RayRanks:
     def watch(self) -> None:
         import ray
 
-        while not self.engine.dead.is_set():
+        while not self.engine.dead.is_set() and not self.engine.serving.is_set():
             time.sleep(1.0)
+            if self.engine.serving.is_set():
+                return
             try:
                 ray.get([actor.ping.remote() for actor in self.engine.actors], timeout=10)
             except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
                 continue  # Ray still decides whether the node is gone
+            except ray.exceptions.RayActorError as error:
+                self._report_death(error)
+                return
+
+    def step(self) -> None:
+        """A model step calls every rank; one that died fails it (and kills the engine). A rank
+        whose node Ray has not yet declared dead keeps the step waiting, as the DAG does."""
+        import ray
+
+        deadline = time.monotonic() + STEP_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                ray.get([actor.ping.remote() for actor in self.engine.actors], timeout=10)
+                return
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                time.sleep(0.5)
             except ray.exceptions.RayActorError as error:
                 self._report_death(error)
                 return
@@ -1534,6 +1564,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     engine = Engine(config, knobs, log)
     try:
         engine.start()
+        engine.watch()
         load_weights(engine)
     except EngineFailed as error:
         engine_failed(log, str(error), error.procs)
@@ -1544,7 +1575,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     except Exception:
         engine_failed(log, traceback.format_exc().rstrip())
         return 1
-    engine.watch()
+    engine.serving.set()  # from now on nothing watches the ranks: see RayRanks.step
     log_ready(log, config, knobs)
     sock.listen(128)
     record_event("listening")
