@@ -237,6 +237,31 @@ def test_follower_lost_while_serving_fails_the_next_step(mp: MpCluster) -> None:
 # --------------------------------------------------------------------------- failures
 
 
+def test_a_firewall_open_only_on_the_master_port_hangs_both_nodes_silently(
+    mp: MpCluster,
+) -> None:
+    """As the real engine (0.32.0) did on the bed: the rendezvous passes, then the ranks' own
+    connections (ports the kernel picks) are dropped and both nodes wait, up and silent."""
+    rule = ["OUTPUT", "-p", "tcp", "-d", NODE_IPS[0], "--dport", "32768:60999",
+            "-m", "conntrack", "--ctstate", "NEW", "-j", "DROP"]  # fmt: skip
+    subprocess.run(["iptables", "-I", *rule], check=True, capture_output=True)
+    try:
+        follower = mp.start(1)
+        leader = mp.start(0)
+        follower.wait_for("distributed_init_method=")
+        leader.wait_for("distributed_init_method=")
+        wait_until(lambda: mp.store_connections() == 2, 10, "both ranks at the rendezvous")
+        quiet = (leader.output(), follower.output())
+        time.sleep(5)
+        assert (leader.output(), follower.output()) == quiet  # nothing more is said
+        assert leader.proc.poll() is None and follower.proc.poll() is None
+        assert leader.refuses_connections()
+    finally:
+        subprocess.run(["iptables", "-D", *rule], check=False, capture_output=True)
+    # Nothing else held them back: with the ports open they go on and serve.
+    leader.wait_serving()
+
+
 def test_unreachable_master_times_out_on_both_sides(mp: MpCluster) -> None:
     follower = mp.start(1, master_addr=NOBODY)
     leader = mp.start(0)

@@ -19,6 +19,13 @@ waits for each one's ``ack``, so a frozen rank (SIGSTOP, a hung node) blocks the
 collective does, until ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` (vLLM's 300 s), while the API
 server goes on answering /health.
 
+After the rendezvous the ranks connect to each other on ports the kernel picks, as Gloo's pairs
+and vLLM's ZMQ queues do: the leader listens on an ephemeral port of its VLLM_HOST_IP, named in
+the store's answer, and every follower connects to it before NCCL starts, retrying silently.
+A firewall that lets only the master port through leaves both nodes there, up and silent, after
+their "world_size=... distributed_init_method=..." lines (seen on the real 0.32.0, whose Gloo
+waits the same way), while the follower holds its connection to the master port.
+
 Deadline: ``--distributed-timeout-seconds``, else PyTorch's NCCL default of 600 s.
 Test-bed knobs: ``VRD_RENDEZVOUS_TIMEOUT`` (seconds) shortens the deadline;
 ``VRD_HANDSHAKE_TIMEOUT`` (300 s, vLLM's 5 minutes) is how long a headless node-rank 0 waits
@@ -471,6 +478,7 @@ class StoreServer:
     stepping: threading.Lock = field(default_factory=threading.Lock)
     complete: bool = False
     closing: bool = False
+    pairs: str = ""  # "ip:port" where the leader's node takes its peers' connections
 
     def __post_init__(self) -> None:
         self.listener = _listen(self.port)
@@ -521,7 +529,7 @@ class StoreServer:
                 self.changed.wait(left)
             self.complete = True
             node_ips = [self.joined[rank][0] for rank in range(self.world_size)]
-        message = {"node_ips": node_ips, "comm_id": random.getrandbits(64)}
+        message = {"node_ips": node_ips, "comm_id": random.getrandbits(64), "pairs": self.pairs}
         for _, conn in self.joined.values():
             with contextlib.suppress(OSError):
                 conn.sendall(json.dumps(message).encode() + b"\n")
@@ -612,15 +620,16 @@ class StoreClient:
             raise
         return sock
 
-    def wait_for_rendezvous(self) -> tuple[list[str], int]:
-        """The rank-to-node map and NCCL's id, once every rank joined."""
+    def wait_for_rendezvous(self) -> tuple[list[str], int, str]:
+        """The rank-to-node map, NCCL's id and where the leader's node takes its peers'
+        connections, once every rank joined."""
         line = b""
         with contextlib.suppress(OSError):
             line = self.reader.readline()
         if not line:
             raise StoreError(f"torch.distributed.DistNetworkError: {RECV_ZERO}")
         message = json.loads(line)
-        return list(message["node_ips"]), int(message["comm_id"])
+        return list(message["node_ips"]), int(message["comm_id"]), str(message["pairs"])
 
     def watch(self, on_gone: Callable[[], None]) -> None:
         """Take part in every model step; call ``on_gone`` when the store's server goes away
@@ -634,6 +643,56 @@ class StoreClient:
             on_gone()
 
         threading.Thread(target=read, name=f"store-client-{self.rank}", daemon=True).start()
+
+
+class PairListener:
+    """The leader node's ephemeral port for its peers (Gloo's pairs, vLLM's queues): it keeps
+    the connection each other node makes."""
+
+    def __init__(self, host_ip: str | None, advertised: str) -> None:
+        self.server = socket.socket()
+        self.server.bind((host_ip or "0.0.0.0", 0))  # without VLLM_HOST_IP: every address
+        self.server.listen(64)
+        self.address = f"{host_ip or advertised}:{self.server.getsockname()[1]}"
+        self.conns: list[socket.socket] = []
+        self.changed = threading.Condition()
+        threading.Thread(target=self._accept, name="pairs", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            with self.changed:
+                self.conns.append(conn)
+                self.changed.notify_all()
+
+    def wait_for(self, peers: int) -> None:
+        """Until ``peers`` nodes connected: no deadline, as the real engine waits."""
+        with self.changed:
+            while len(self.conns) < peers:
+                self.changed.wait(1.0)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.server.close()
+
+
+def connect_pairs(address: str) -> socket.socket:
+    """A follower's connection to the leader's node, retried silently until it is made (a SYN
+    a firewall drops is retried as the kernel and Gloo retry it)."""
+    host, port = address.rsplit(":", 1)
+    while True:
+        sock = socket.socket()
+        sock.settimeout(2.0)
+        try:
+            sock.connect((host, int(port)))
+            sock.settimeout(None)
+            return sock
+        except OSError:
+            sock.close()
+            time.sleep(0.5)
 
 
 # --------------------------------------------------------------------------- this node's ranks
@@ -651,6 +710,8 @@ class MpNode:
     write: Callable[[str], None]
     env: Mapping[str, str]
     server: StoreServer | None = None
+    pairs: PairListener | None = None  # the leader's
+    pair_link: socket.socket | None = None  # a follower's
     clients: list[StoreClient] = field(default_factory=list)
     lost: threading.Event = field(default_factory=threading.Event)
     lost_peers: list[tuple[int, str]] = field(default_factory=list)
@@ -671,7 +732,8 @@ class MpNode:
                 f"world_size={launch.world_size} rank={rank} local_rank={local} "
                 f"distributed_init_method={launch.init_method} backend=nccl",
             )
-        node_ips, comm_id = self._rendezvous()
+        node_ips, comm_id, pairs = self._rendezvous()
+        self._meet_peers(pairs)
         self._init_nccl(node_ips, comm_id)
         for client in self.clients:
             client.watch(self.lost.set)
@@ -680,7 +742,15 @@ class MpNode:
         """init_device is done: the workers log under their parallel ranks from now on."""
         self.initialized = True
 
-    def _rendezvous(self) -> tuple[list[str], int]:
+    def _meet_peers(self, pairs: str) -> None:
+        """The connections on ports the kernel picks, between the leader's node and each
+        other node; silent while a firewall drops them."""
+        if self.pairs is not None:
+            self.pairs.wait_for(self.launch.nnodes - 1)
+        elif pairs:
+            self.pair_link = connect_pairs(pairs)
+
+    def _rendezvous(self) -> tuple[list[str], int, str]:
         launch = self.launch
         rank = launch.ranks[0]
         try:
@@ -698,8 +768,16 @@ class MpNode:
 
     def _host_store(self) -> StoreServer:
         # Without VLLM_HOST_IP the node's address is unknown: take any.
-        own = self._own_addresses() if self.env.get("VLLM_HOST_IP") else frozenset()
-        return StoreServer(self.launch.master_port, self.launch.world_size, self._peer_lost, own)
+        host_ip = self.env.get("VLLM_HOST_IP")
+        own = self._own_addresses() if host_ip else frozenset()
+        self.pairs = PairListener(host_ip, self.launch.master_addr)
+        return StoreServer(
+            self.launch.master_port,
+            self.launch.world_size,
+            self._peer_lost,
+            own,
+            pairs=self.pairs.address,
+        )
 
     def _own_addresses(self) -> frozenset[str]:
         """This node's addresses, as far as the bed knows them."""
@@ -766,3 +844,5 @@ class MpNode:
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+        if self.pairs is not None:
+            self.pairs.close()
