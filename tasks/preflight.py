@@ -5,6 +5,7 @@ builds the launch plan from what was found."""
 
 from __future__ import annotations
 
+import contextvars
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from prefect import task
 from prefect.cache_policies import INPUTS, RUN_ID
 
 from tasks.context import RETRY_TRANSIENT, Run, StepFailed, log
+from tasks.image_facts import image_facts
 from vllm_redeploy.launch import (
     ImageEntrypoint,
     LaunchPlan,
@@ -22,7 +24,6 @@ from vllm_redeploy.launch import (
     plan_for,
     refusal,
 )
-from vllm_redeploy.launch.ray import ray_check_spec
 from vllm_redeploy.nodes import (
     AuthenticationFailed,
     HostKeyRejected,
@@ -34,7 +35,6 @@ from vllm_redeploy.safe_text import one_line
 
 STEP = "preflight"
 REACH_POLL_S = 2.0
-RAY_CHECK_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -99,13 +99,12 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
     version = docker.version()
     image_id = docker.image_id(config.vllm.image)
     # One node answers for the image (the IDs must match everywhere), in the background: its
-    # container takes the longest of all checks.
+    # containers take the longest of all checks, the first time an image is seen.
     background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="preflight")
-    ray_check = entrypoint = None
+    image = None
     if image_id is not None and name == config.head.name:
-        entrypoint = background.submit(_image_entrypoint, run, name)
-        if asks_the_image(config):
-            ray_check = background.submit(_ray_in_image, run, name)
+        # In this task run's context, so that image-facts runs as its child (and its cache).
+        image = background.submit(contextvars.copy_context().run, image_facts, run, name, image_id)
     background.shutdown(wait=False)
     model = access.runner.run(["test", "-d", config.vllm.model], check=False)
     # Fabric IPs set by hand are lost at reboot; `ip route get` tells, without sending anything,
@@ -123,19 +122,20 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
         )
     local = route.stdout.startswith("local ")
     fabric = parse_fabric(access.runner.run(list(FABRIC_ARGV), check=False).stdout, ip)
-    ray_path = ray_check.result() if ray_check else None
+    facts = image.result() if image else None
+    asked = facts is not None and asks_the_image(config)
     return NodeFacts(
         name,
         version,
         image_id,
         model.ok,
-        ray_path,
+        facts.ray_path if asked and facts else None,
         waited,
         local,
-        ray_check is not None,
+        asked,
         fabric,
         _weights_bytes(access, config.vllm.model) if model.ok else None,
-        entrypoint.result() if entrypoint else None,
+        facts.entrypoint if facts else None,
     )
 
 
@@ -147,20 +147,6 @@ def _weights_bytes(access: NodeAccess, model: str) -> int | None:
     )
     sizes = [int(line) for line in found.stdout.split() if line.isdigit()]
     return sum(sizes) if found.ok and sizes else None
-
-
-def _image_entrypoint(run: Run, name: str) -> ImageEntrypoint:
-    """The image's ENTRYPOINT, and whether it runs its arguments (then our containers keep it)."""
-    argv, script = run.node(name).docker.image_entrypoint(run.config.vllm.image)
-    return ImageEntrypoint.of(argv, script)
-
-
-def _ray_in_image(run: Run, name: str) -> str | None:
-    """Where `ray` is in the image when Ray runs there, else None."""
-    check = ray_check_spec(run.config)
-    code, output = run.node(name).docker.run_to_completion(check, RAY_CHECK_TIMEOUT_S)
-    lines = output.strip().splitlines()
-    return lines[0] if code == 0 and lines else None
 
 
 def judge_preflight(run: Run, facts: list[NodeFacts]) -> LaunchPlan:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,6 +14,7 @@ from typer.testing import CliRunner
 from deployments.cli import app
 from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import make_bed
+from tests.test_faults import task_runs
 from tests.testbed import image
 from tests.testbed.bed import SERVED_NAME, TestBed, bed_ip
 from vllm_redeploy.config import load_config
@@ -156,6 +158,26 @@ def test_other_node_kinds_and_sizes(prefect_api: None, nodes: int, gpu: str, fir
         assert state.result()["probe"]["healthy"]
     finally:
         bed.down()
+
+
+def test_a_later_run_asks_the_image_nothing(flow_bed: TestBed) -> None:
+    """What preflight learns of an image (its ENTRYPOINT, its Ray) is cached by the image's ID
+    across runs: the run after another starts no check container."""
+    first = run_flow(flow_bed)
+    assert first.is_completed(), failure(first)
+    since = int(time.time())
+    second = run_flow(flow_bed)
+    assert second.is_completed(), failure(second)
+    with contextlib.closing(flow_bed.nodes[0].engine.client()) as client:
+        events = client.events(
+            since=since, until=int(time.time()) + 1, decode=True,
+            filters={"type": "container", "event": "create"},
+        )  # fmt: skip
+        created = [e["Actor"]["Attributes"]["name"] for e in events]
+    assert "vllm-redeploy-bed-ray" in created, created  # the run did start its containers
+    assert [name for name in created if name.endswith("-check")] == [], created
+    facts = [r for r in task_runs(second.state_details.flow_run_id) if r.name.startswith("image")]
+    assert [(r.name, r.state_name) for r in facts] == [("image-facts[node-1]", "Cached")]
 
 
 def test_canaries_survived_everything(flow_bed: TestBed) -> None:
