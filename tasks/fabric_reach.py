@@ -1,6 +1,7 @@
 """Step "fabric-reach": every node reaches every other over the fabric IPs on a port of the
 ephemeral range (vllm_redeploy.fabric_reach), so a firewall that lets only the named ports
-through is named before anything stops or starts."""
+through is named before anything stops or starts. It runs after preflight has judged every node,
+never beside it: a peer is only dialled at a fabric IP its node was found to own."""
 
 from __future__ import annotations
 

@@ -14,8 +14,9 @@ Each says, as one JSON line, whether it listened and, per peer, how its connect 
 - another OS error's words.
 
 The containers leave as soon as they have reached every peer and heard from every peer. A peer
-that cannot be reached is tried until the window closes; a container that has not heard from
-every peer listens for one more window, so a container that starts late is still answered.
+that cannot be reached is tried until the window closes (so a peer whose container starts up to
+a window later is still reached); one that has not heard from every peer listens two seconds
+longer. Listening any longer would not help: the late peer could not be reached either.
 Standard library only: every vLLM image has a ``python3``.
 """
 
@@ -32,7 +33,7 @@ from vllm_redeploy.nodes.containers import ContainerSpec, project_labels
 
 ROLE = "fabric-reach"
 WINDOW_S = 10.0  # the containers start within a second or two of each other on a healthy cluster
-TIMEOUT_S = WINDOW_S * 2 + 20  # the container's own limit, with room for Docker
+TIMEOUT_S = WINDOW_S + 30  # the container's own limit, with room for Docker
 EPHEMERAL = (32768, 60999)  # Linux's default net.ipv4.ip_local_port_range
 
 REACH_SCRIPT = r"""
@@ -40,7 +41,7 @@ import json, socket, sys, threading, time
 me, ip, port, window = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
 peers = json.loads(sys.argv[5])
 deadline = time.monotonic() + window  # for reaching the peers
-linger = deadline + window  # for being reached: a peer's container may start later
+linger = deadline + 2  # for being reached: a peer that started later may still be trying
 report = {"node": me, "listen": "ok", "reached": {}, "ephemeral": ""}
 try:
     report["ephemeral"] = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
