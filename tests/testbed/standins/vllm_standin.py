@@ -896,35 +896,31 @@ class RayRanks:
             raise EngineFailed(str(error)) from error
 
     def watch(self) -> None:
-        import ray
-
         while not self.engine.dead.is_set() and not self.engine.serving.is_set():
             time.sleep(1.0)
-            if self.engine.serving.is_set():
-                return
-            try:
-                ray.get([actor.ping.remote() for actor in self.engine.actors], timeout=10)
-            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
-                continue  # Ray still decides whether the node is gone
-            except ray.exceptions.RayActorError as error:
-                self._report_death(error)
+            if self.engine.serving.is_set() or self._alive() is False:
                 return
 
     def step(self) -> None:
         """A model step calls every rank; one that died fails it (and kills the engine). A rank
         whose node Ray has not yet declared dead keeps the step waiting, as the DAG does."""
+        deadline = time.monotonic() + STEP_WAIT_S
+        while time.monotonic() < deadline and self._alive() is None:
+            time.sleep(0.5)
+
+    def _alive(self) -> bool | None:
+        """Call every rank once: True when all answer, False when one died (reported), None
+        while Ray still decides whether a node is gone."""
         import ray
 
-        deadline = time.monotonic() + STEP_WAIT_S
-        while time.monotonic() < deadline:
-            try:
-                ray.get([actor.ping.remote() for actor in self.engine.actors], timeout=10)
-                return
-            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
-                time.sleep(0.5)
-            except ray.exceptions.RayActorError as error:
-                self._report_death(error)
-                return
+        try:
+            ray.get([actor.ping.remote() for actor in self.engine.actors], timeout=10)
+            return True
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            return None
+        except ray.exceptions.RayActorError as error:
+            self._report_death(error)
+            return False
 
     def _report_death(self, error: Exception) -> None:
         self.log.engine(
