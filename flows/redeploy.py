@@ -55,6 +55,7 @@ from tasks.wait_ready import wait_until_ready
 from vllm_redeploy.config import ConfigError, load_config
 from vllm_redeploy.endpoint import api_base
 from vllm_redeploy.events import failed_event, ready_event
+from vllm_redeploy.launch.caches import compile_cache_words
 from vllm_redeploy.names import artifact_key
 from vllm_redeploy.nodes import RemoteError
 from vllm_redeploy.safe_text import one_line, shown
@@ -194,6 +195,7 @@ def _runbook(run: Run, mode: Mode, step: Steps) -> dict[str, Any]:
         summary.members = step(phase.step, launch_phase, run, plan, index) or summary.members
     ready = step("wait-ready", wait_until_ready, run, plan)
     summary.load_s, summary.vllm_version = ready.waited_s, ready.version
+    summary.compile_cache = compile_cache_words(config, ready.compile)
     if len(config.nodes) > 1:
         summary.transport = step("transport", prove_transport, run, plan)
         summary.notes += half_bandwidth(plan, summary.transport)

@@ -25,7 +25,13 @@ from vllm_redeploy.endpoint import api_base, engine_version, list_models
 from vllm_redeploy.launch.plan import LaunchPlan, Member
 from vllm_redeploy.names import artifact_key
 from vllm_redeploy.nodes import NodeDocker, RemoteError, fan_out
-from vllm_redeploy.parsers.vllm_log import LoadProgress, last_load_progress, tail_for_people
+from vllm_redeploy.parsers.vllm_log import (
+    CompileCache,
+    LoadProgress,
+    compile_cache_state,
+    last_load_progress,
+    tail_for_people,
+)
 from vllm_redeploy.rendezvous import follower_joined
 from vllm_redeploy.safe_text import block, shown
 from vllm_redeploy.summary import StepEvent, report
@@ -51,6 +57,7 @@ class Ready:
     served: list[str]
     waited_s: float
     version: str | None = None  # vLLM's, from /version or `vllm --version` in the engine
+    compile: CompileCache | None = None  # warm or cold, as the engine's log says
 
 
 # Not cached: readiness is only true now, and the engine it watches is this run's.
@@ -85,7 +92,8 @@ def wait_until_ready(run: Run, plan: LaunchPlan) -> Ready:
                 report(StepEvent(STEP, "loading", load=LoadProgress(100, shards, shards)))
                 log().info("%s is served at %s after %.1f s", want, url, waited)
                 version = engine_version(client, url, docker.exec_runner(name))
-                return Ready(listed, waited, version)
+                compiled = compile_cache_state(docker.logs_tail(name, "all"))
+                return Ready(listed, waited, version, compiled)
             info = docker.get(name)
             if info is None or not info.running:
                 stopped = _stopped(run, plan, exclude=api)

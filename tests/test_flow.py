@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -160,14 +161,23 @@ def test_other_node_kinds_and_sizes(prefect_api: None, nodes: int, gpu: str, fir
         bed.down()
 
 
-def test_a_later_run_asks_the_image_nothing(flow_bed: TestBed) -> None:
+def test_a_later_run_asks_the_image_nothing_and_finds_what_vllm_compiled(
+    flow_bed: TestBed,
+) -> None:
     """What preflight learns of an image (its ENTRYPOINT, its Ray) is cached by the image's ID
-    across runs: the run after another starts no check container."""
+    across runs: the run after another starts no check container. And what the engine compiled
+    at the first start (the stand-in saves it under VLLM_CACHE_ROOT, as vLLM's AOT compile does)
+    is in the node's cache directory, which the next start's new container loads it from."""
+    cache = flow_bed.root / "compile-cache"  # the bed's [cache] dir
+    shutil.rmtree(cache, ignore_errors=True)
     first = run_flow(flow_bed)
     assert first.is_completed(), failure(first)
+    assert "this start: cold (graphs compiled and saved" in first.result()["summary"]
+    assert list((cache / "vllm" / "torch_compile_cache").rglob("model")), "nothing saved"
     since = int(time.time())
     second = run_flow(flow_bed)
     assert second.is_completed(), failure(second)
+    assert "this start: warm (compiled graphs loaded from the cache" in second.result()["summary"]
     with contextlib.closing(flow_bed.nodes[0].engine.client()) as client:
         events = client.events(
             since=since, until=int(time.time()) + 1, decode=True,

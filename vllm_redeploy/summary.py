@@ -74,6 +74,7 @@ class RunSummary:
     image_id: str | None = None
     vllm_version: str | None = None
     load_s: float | None = None
+    compile_cache: str | None = None  # where the caches live, and warm or cold at this start
     probe: ProbeVerdict | None = None
     failed_step: str | None = None
     failure: str | None = None
@@ -210,6 +211,8 @@ def _vllm_section(summary: RunSummary) -> list[str]:
         items.append(f"`{summary.model}` served at {summary.endpoint}")
     if summary.load_s is not None:
         items.append(f"loaded in {summary.load_s:.1f} s")
+    if summary.compile_cache:
+        items.append(f"compile cache {summary.compile_cache}")
     if not items:
         return []
     return ["", "## vLLM", "", *(f"- {item}" for item in items)]

@@ -288,6 +288,8 @@ class TestBed:
                     "VRD_LOAD_SECONDS": "3",
                 },
             },
+            # The nodes share this machine's disk: one directory for the bed, never /var/cache.
+            "cache": {"dir": str(self.root / "compile-cache")},
             # Ray's GCS listens on all addresses: beds side by side need their own port.
             "ray": {
                 "port": ray_port(self.nodes[0].ip),

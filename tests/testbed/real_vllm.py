@@ -34,9 +34,10 @@ def model_dir() -> Path:
 
 
 def compile_cache() -> Path:
-    """torch inductor's cache, kept between the bed's containers: vLLM's CPU build compiles
-    kernels at the first request even in eager mode (about 40 s here, then seconds)."""
-    return home().parent / f"inductor-cache-{VERSION}"
+    """The product's compile cache ([cache] dir) for the real engine, kept between beds and test
+    sessions: vLLM's CPU build compiles kernels with Inductor at the first request even in eager
+    mode (about 40 s here, then seconds)."""
+    return home().parent / f"compile-cache-{VERSION}"
 
 
 def missing() -> str | None:
@@ -55,14 +56,12 @@ def settings(data: dict[str, Any]) -> dict[str, Any]:
     vllm = data["vllm"]
     vllm["model"] = str(model_dir())
     vllm["backend"] = "mp"
-    compiled = compile_cache()
-    compiled.mkdir(parents=True, exist_ok=True)
-    vllm["volumes"] = [*vllm["volumes"], f"{home()}:{home()}:ro", f"{compiled}:{compiled}"]
+    vllm["volumes"] = [*vllm["volumes"], f"{home()}:{home()}:ro"]
     vllm["env"] = {
         **vllm["env"],
         "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB per rank; vLLM's default 4 would crowd 2 nodes
-        "TORCHINDUCTOR_CACHE_DIR": str(compiled),
     }
+    data["cache"] = {"dir": str(compile_cache())}
     # Eager mode: torch.compile would add a minute per start and tells us nothing we test. One
     # sequence at a time: a long generation fills the engine, as a busy server is full.
     vllm["extra_args"] = ["--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "1"]

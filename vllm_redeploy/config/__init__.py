@@ -5,7 +5,13 @@ the whole and its rules, ``errors`` the wording, ``loading`` the sources."""
 from vllm_redeploy.config.cluster import ClusterConfig, describe
 from vllm_redeploy.config.errors import ConfigError
 from vllm_redeploy.config.fields import DEFAULT_CONFIG, ENV_PREFIX, REMOVED_FLAGS, Seconds
-from vllm_redeploy.config.launch import FabricConfig, MemoryConfig, RayConfig, VLLMConfig
+from vllm_redeploy.config.launch import (
+    CacheConfig,
+    FabricConfig,
+    MemoryConfig,
+    RayConfig,
+    VLLMConfig,
+)
 from vllm_redeploy.config.loading import (
     cluster_env_file,
     environ_overrides,
@@ -28,6 +34,7 @@ __all__ = [
     "ENV_PREFIX",
     "REMOVED_FLAGS",
     "AutostartConfig",
+    "CacheConfig",
     "ClusterConfig",
     "ConfigError",
     "DeadlinesConfig",

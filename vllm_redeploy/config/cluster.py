@@ -8,7 +8,13 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from vllm_redeploy.config.fields import ENV_PREFIX, Name
-from vllm_redeploy.config.launch import FabricConfig, MemoryConfig, RayConfig, VLLMConfig
+from vllm_redeploy.config.launch import (
+    CacheConfig,
+    FabricConfig,
+    MemoryConfig,
+    RayConfig,
+    VLLMConfig,
+)
 from vllm_redeploy.config.nodes import NodeConfig, SSHConfig
 from vllm_redeploy.config.runs import (
     AutostartConfig,
@@ -45,6 +51,7 @@ class ClusterConfig(BaseSettings):
     ray: RayConfig = Field(default_factory=RayConfig)
     fabric: FabricConfig = Field(default_factory=FabricConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
     autostart: AutostartConfig = Field(default_factory=AutostartConfig)
     deadlines: DeadlinesConfig = Field(default_factory=DeadlinesConfig)
     lock: LockConfig = Field(default_factory=LockConfig)

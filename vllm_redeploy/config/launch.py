@@ -1,5 +1,6 @@
 """What runs on the nodes: ``[vllm]`` (the engine, for both backends), ``[ray]`` (the Ray
-backend only), ``[fabric]`` (RDMA for NCCL) and ``[memory]`` (unified memory).
+backend only), ``[fabric]`` (RDMA for NCCL), ``[memory]`` (unified memory) and ``[cache]`` (what
+vLLM compiles, kept between starts).
 """
 
 from __future__ import annotations
@@ -179,4 +180,20 @@ class MemoryConfig(Section):
         description="Drop the page cache on each node right before the launch (through a "
         "one-shot container). vLLM on unified memory (GB10) counts cached pages as used and "
         "refuses to start. Default: on for unified-memory nodes.",
+    )
+
+
+class CacheConfig(Section):
+    enabled: bool = Field(
+        True,
+        description="Keep what vLLM builds at start (torch.compile's graphs, Inductor, Triton, "
+        "FlashInfer and CUDA kernels) in a directory on each node, mounted into every container "
+        "of the group, so a later start loads it instead of compiling again. false: every start "
+        "compiles from nothing (as a container without mounts does).",
+    )
+    dir: ModelPath | None = Field(
+        None,
+        description="That directory on every node (created by Docker, as root, when missing); "
+        "default /var/cache/vllm-redeploy/<cluster name>. Put it on a fast local disk; it grows "
+        "to a few GB per model and build, and nothing removes it.",
     )

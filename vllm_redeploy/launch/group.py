@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vllm_redeploy.config import ClusterConfig, NodeConfig
+from vllm_redeploy.launch.caches import cache_env, cache_mounts
 from vllm_redeploy.names import container_name
 from vllm_redeploy.nodes.containers import ContainerSpec, project_labels
 from vllm_redeploy.parsers.fabric import FabricFacts
@@ -52,9 +53,9 @@ class NodeFabric:
 def node_env(
     node: NodeConfig, config: ClusterConfig, fabric: NodeFabric | None = None
 ) -> dict[str, str]:
-    """Environment of a node's containers: NCCL's transport log and Ray's defaults for unified
-    memory, then the fabric interfaces and HCAs found on the node, then [vllm.env], then the
-    node's configured interfaces and HCAs, then the IP vLLM must use."""
+    """Environment of a node's containers: NCCL's transport log, Ray's defaults for unified
+    memory and the compile caches, then the fabric interfaces and HCAs found on the node, then
+    [vllm.env], then the node's configured interfaces and HCAs, then the IP vLLM must use."""
     fabric = fabric or NodeFabric()
     env = {
         # NCCL says which transport it chose (checked after every launch); kept short.
@@ -64,6 +65,7 @@ def node_env(
         "RAY_DEDUP_LOGS": "0",
         "PYTHONUNBUFFERED": "1",
         **_ray_memory_env(config),
+        **cache_env(config),
     }
     if "NCCL_DEBUG" in config.vllm.env:  # the operator's own NCCL logging
         del env["NCCL_DEBUG_SUBSYS"]
@@ -129,7 +131,12 @@ def container_argv(spec: ContainerSpec) -> list[str]:
 
 
 def model_mounts(config: ClusterConfig) -> list[str]:
-    return [f"{config.vllm.model}:{config.vllm.model}:ro", *config.vllm.volumes]
+    """The model (read-only), the compile caches, then the configured mounts."""
+    return [
+        f"{config.vllm.model}:{config.vllm.model}:ro",
+        *cache_mounts(config),
+        *config.vllm.volumes,
+    ]
 
 
 def group_spec(

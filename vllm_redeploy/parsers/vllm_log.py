@@ -45,3 +45,56 @@ def tail_for_people(text: str, lines: int) -> str:
         if not after_warning and not _NCCL_INFO.search(line):
             kept.append(line)
     return "\n".join(kept[-lines:])
+
+
+# vLLM's own words (vllm/compilation) for a start that found its compiled graphs in the cache,
+# for one that compiled them, and for a cache that was turned off.
+_LOADED = re.compile(r"Directly load (?:AOT compilation from path|the compiled graph\(s\))")
+_COMPILED = re.compile(
+    r"Compiling a graph for compile range|saved AOT compiled function to|Compiling model again"
+)
+_DISABLED = re.compile(r"vLLM's torch\.compile cache is disabled")
+# A cached function the engine could not load (seen on 0.32.0's CPU build): it compiles again.
+_LOAD_FAILED = re.compile(r"Compiling model again due to a load failure from \S+, reason: (.*)")
+_TOTAL = re.compile(
+    r"torch\.compile (?:and initial profiling/warmup run together )?took ([\d.]+) s in total"
+)
+
+
+@dataclass(frozen=True)
+class CompileCache:
+    """What the engine's log says of torch.compile at this start."""
+
+    state: str  # "warm" (loaded from the cache), "cold" (compiled), "disabled"
+    compile_s: float | None  # "torch.compile took S s in total", when it says
+    unloadable: str | None = None  # why the cached function could not be loaded
+
+    def summary(self) -> str:
+        took = f", torch.compile {self.compile_s:.1f} s" if self.compile_s is not None else ""
+        if self.unloadable:
+            took += f"; the cached one could not be loaded: {self.unloadable}"
+        words = {
+            "warm": "warm (compiled graphs loaded from the cache",
+            "cold": "cold (graphs compiled and saved for the next start",
+            "disabled": "off (vLLM's torch.compile cache is disabled",
+        }
+        return f"{words[self.state]}{took})"
+
+
+def compile_cache_state(text: str) -> CompileCache | None:
+    """Warm, cold or disabled, from an engine log; None when it never compiled (eager mode)."""
+    if _DISABLED.search(text):
+        state = "disabled"
+    elif _COMPILED.search(text):  # one graph compiled means the start paid for compiling
+        state = "cold"
+    elif _LOADED.search(text):
+        state = "warm"
+    else:
+        return None
+    totals = _TOTAL.findall(text)
+    failed = _LOAD_FAILED.search(text)
+    return CompileCache(
+        state,
+        sum(float(t) for t in totals) if totals else None,
+        failed.group(1).strip()[:200] if failed else None,
+    )

@@ -30,7 +30,8 @@ hold that node's GPUs and print their NCCL lines in that node's log.
 Test-bed knobs (environment):
 
 - ``VRD_VLLM_VERSION`` (0.19.0), ``VRD_LOAD_SECONDS`` (2: from the process's start to serving,
-  as an operator times `vllm serve`; joining Ray comes out of it), ``VRD_SHARDS`` (4),
+  as an operator times `vllm serve`; joining Ray comes out of it), ``VRD_COMPILE_SECONDS`` (0:
+  what torch.compile adds when VLLM_CACHE_ROOT holds no compiled function), ``VRD_SHARDS`` (4),
   ``VRD_GPU_STATE`` (per node; unset: hold nothing), ``VRD_GPU_TOTAL_MIB`` (143771),
   ``VRD_UNIFIED_MEMORY`` (1: the node's memory model on GB10 nodes, see :mod:`unified_memory`),
   ``VRD_REASONING_FIELD`` = reasoning | reasoning_content | both,
@@ -52,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -362,6 +364,7 @@ class ServeConfig:
     gpu_util: float
     max_model_len: int
     launch: mp_launcher.MpLaunch = field(default_factory=mp_launcher.MpLaunch)
+    enforce_eager: bool = False
 
     @property
     def world_size(self) -> int:
@@ -401,6 +404,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         reasoning_parser=args.reasoning_parser,
         gpu_util=args.gpu_memory_utilization,
         max_model_len=args.max_model_len or DEFAULT_MAX_MODEL_LEN,
+        enforce_eager=args.enforce_eager,
     )
 
 
@@ -1015,6 +1019,46 @@ def load_weights(engine: Engine) -> None:
     engine.init_kv_cache()
 
 
+def compile_model(engine: Engine) -> None:
+    """torch.compile after the weights, as vLLM on a GPU with AOT compile (its default from
+    torch 2.10): a function saved under VLLM_CACHE_ROOT by an earlier start of the same model
+    and settings is loaded; else it compiles (VRD_COMPILE_SECONDS more) and saves one. Nothing
+    in eager mode. The cache lives and dies with the container unless VLLM_CACHE_ROOT is
+    mounted from the node."""
+    c = engine.config
+    if c.enforce_eager:
+        return
+    root = os.environ.get("VLLM_CACHE_ROOT") or os.path.expanduser("~/.cache/vllm")
+    key = f"{c.model}|{c.tp}|{c.pp}|{c.max_model_len}|{engine.knobs.version}"
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    saved = Path(root, "torch_compile_cache", "torch_aot_compile", digest, "rank_0_0", "model")
+    started = time.monotonic()
+    if saved.is_file():
+        engine.log.engine(
+            "INFO",
+            "decorators.py:320",
+            f"[backbone] Directly load AOT compilation from path {saved}",
+        )
+    else:
+        _sleep_unless_dead(engine, float(os.environ.get("VRD_COMPILE_SECONDS", "0")))
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        saved.write_text(key)
+        took = time.monotonic() - started
+        engine.log.engine(
+            "INFO",
+            "backends.py:398",
+            f"[backbone] Compiling a graph for compile range (1, {c.max_model_len}) takes "
+            f"{took:.2f} s",
+        )
+        engine.log.engine(
+            "INFO", "decorators.py:743", f"[backbone] saved AOT compiled function to {saved}"
+        )
+    took = time.monotonic() - started
+    engine.log.engine(
+        "INFO", "monitor.py:62", f"[backbone] torch.compile took {took:.2f} s in total"
+    )
+
+
 def _sleep_unless_dead(engine: Engine, seconds: float) -> None:
     if engine.dead.wait(seconds):
         engine.log.api(
@@ -1562,6 +1606,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         engine.start()
         engine.watch()
         load_weights(engine)
+        compile_model(engine)
     except EngineFailed as error:
         engine_failed(log, str(error), error.procs)
         return 1
