@@ -43,7 +43,7 @@ from typing import Any
 import httpx
 
 from bench.report import write_results
-from deployments.event_sender import reboot_event_id
+from deployments.event_sender import EVENT_REBOOTED, reboot_event_id
 from deployments.webhook import SIGNATURE_HEADER, TIMESTAMP_HEADER, serve_webhook, sign
 from vllm_redeploy.config import ClusterConfig
 
@@ -98,6 +98,7 @@ class LoadResult:
     send_span_s: float = 0.0  # first scheduled send to the last call actually sent
     max_send_lag_ms: float = 0.0
     events: list[dict[str, Any]] = field(default_factory=list)
+    cluster_events: list[dict[str, Any]] = field(default_factory=list)
     boots: set[tuple[str, str]] = field(default_factory=set)  # valid (node, boot) pairs sent
     cluster: str = ""
     healthy_after: bool = False
@@ -281,7 +282,11 @@ def run_load(
                 service.join(5)
         with contextlib.suppress(FileNotFoundError):
             lines = Path(events_path).read_text().splitlines()
-            result.events = [json.loads(line) for line in lines]
+            emitted = [json.loads(line) for line in lines]
+            # The nodes' events, one per accepted call; the cluster's own (every node back from
+            # its reboot, see deployments/reboot_rounds.py) apart.
+            result.events = [e for e in emitted if e["event"] == EVENT_REBOOTED]
+            result.cluster_events = [e for e in emitted if e["event"] != EVENT_REBOOTED]
         result.refusals_logged = Path(log_path).read_text().count("refused a call")
     return result
 

@@ -16,10 +16,9 @@ from prefect.events.schemas.events import ResourceSpecification
 from prefect.schedules import Cron
 
 from vllm_redeploy.config import ClusterConfig
-from vllm_redeploy.events import EVENT_UNHEALTHY, RESOURCE_LABEL_CLUSTER
+from vllm_redeploy.events import EVENT_CLUSTER_REBOOTED, EVENT_UNHEALTHY, RESOURCE_LABEL_CLUSTER
 from vllm_redeploy.names import deployment_name
 
-REBOOT_EVENT = "vllm.node.rebooted"
 NIGHTLY_CRON = "0 4 * * *"
 NIGHTLY_TIMEZONE = "UTC"  # explicit: the schedule must not move with the controller's locale
 # One run at a time per deployment; a run that arrives meanwhile waits (a recovery run must never
@@ -29,17 +28,16 @@ ONE_AT_A_TIME = ConcurrencyLimitConfig(limit=1, collision_strategy="ENQUEUE")
 
 
 def reboot_trigger(config: ClusterConfig) -> DeploymentEventTrigger:
-    """Fire on the first reboot event of this cluster's nodes, then ignore more for the debounce
-    window (both nodes of a pair reboot within minutes); the run starts after a delay, and its
-    preflight waits for late nodes anyway."""
+    """Fire at once when the webhook says the cluster is back (every node reported its new boot,
+    or reboot_delay_s passed since the first did: deployments/reboot_rounds.py), then ignore more
+    for the debounce window; the run's preflight waits for late nodes anyway."""
     return DeploymentEventTrigger(
-        name=f"{config.name}: a node rebooted",
-        expect={REBOOT_EVENT},
-        match=ResourceSpecification({"vllm-redeploy.cluster": config.name}),
+        name=f"{config.name}: the nodes rebooted",
+        expect={EVENT_CLUSTER_REBOOTED},
+        match=ResourceSpecification({RESOURCE_LABEL_CLUSTER: config.name}),
         posture="Reactive",
         threshold=1,
         within=timedelta(seconds=config.webhook.reboot_debounce_s),
-        schedule_after=timedelta(seconds=config.webhook.reboot_delay_s),
         parameters={"mode": "ensure", "trigger": "after-reboot"},
     )
 

@@ -4,6 +4,8 @@ Prefect's own webhooks exist only in Prefect Cloud; this small service stands in
 self-hosted server. ``POST /reboot`` takes ``{"node", "boot_id", "uptime_s"}`` signed with the
 shared secret (see ``sign``), hands a ``vllm.node.rebooted`` event to an ``EventSender`` and
 answers 202 at once: it never waits for Prefect, let alone for the flow run the event triggers.
+Once every node of the cluster has reported (or ``reboot_delay_s`` after the first did), it hands
+one ``vllm.cluster.rebooted`` on too (``reboot_rounds``): the after-reboot run starts on that.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect
 
 from deployments.event_sender import EventSender, reboot_event
+from deployments.reboot_rounds import RebootRounds
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.names import webhook_path
 from vllm_redeploy.safe_text import one_line, shown
@@ -131,13 +134,16 @@ def create_app(clusters: ClusterConfig | Sequence[ClusterConfig], sender: Sender
         return Health(pending_events=sender.pending)
 
     for config in configs:
-        _add_reboot_route(app, config, sender, f"{webhook_path(config.name)}/reboot")
-    if len(configs) == 1:
-        _add_reboot_route(app, configs[0], sender, "/reboot")
+        rounds = RebootRounds(config, sender.submit)
+        _add_reboot_route(app, config, sender, rounds, f"{webhook_path(config.name)}/reboot")
+        if len(configs) == 1:
+            _add_reboot_route(app, config, sender, rounds, "/reboot")
     return app
 
 
-def _add_reboot_route(app: FastAPI, config: ClusterConfig, sender: Sender, path: str) -> None:
+def _add_reboot_route(
+    app: FastAPI, config: ClusterConfig, sender: Sender, rounds: RebootRounds, path: str
+) -> None:
     key = webhook_secret(config).encode()
     nodes = {n.name for n in config.nodes}
     window_s = config.webhook.replay_window_s
@@ -225,6 +231,7 @@ def _add_reboot_route(app: FastAPI, config: ClusterConfig, sender: Sender, path:
             notice.uptime_s,
             event["id"],
         )
+        rounds.reported(notice.node, str(notice.boot_id))
         return JSONResponse({"accepted": True, "event_id": event["id"]}, status_code=202)
 
 

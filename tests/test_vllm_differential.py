@@ -48,8 +48,8 @@ def argv(engine: str, *args: str) -> list[str]:
 def env(engine: str) -> dict[str, str]:
     common = {"PATH": "/usr/bin:/bin", "HOME": "/root", "PYTHONUNBUFFERED": "1"}
     if engine == "real":
-        return common | {"VLLM_CPU_KVCACHE_SPACE": "1",
-                         "TORCHINDUCTOR_CACHE_DIR": str(real_vllm.compile_cache() / "inductor")}  # fmt: skip
+        inductor = real_vllm.compile_cache() / "inductor"  # where the product's [cache] puts it
+        return common | {"VLLM_CPU_KVCACHE_SPACE": "1", "TORCHINDUCTOR_CACHE_DIR": str(inductor)}
     # One shard, as the tiny model has; the real engine's version.
     return common | {"PYTHONPATH": str(REPO), "VRD_VLLM_VERSION": real_vllm.VERSION,
                      "VRD_SHARDS": "1", "VRD_LOAD_SECONDS": "2"}  # fmt: skip

@@ -36,14 +36,16 @@ MARGIN_S = 20  # keeps generated timestamps clear of the replay window's edges
 
 
 class RecordingSender(EventSender):
-    """The real sender (queue, thread, POST to Prefect), also keeping what the app submitted."""
+    """The real sender (queue, thread, POST to Prefect), also keeping the nodes' events the app
+    submitted (the cluster's own, once every node reported, are not a call's answer)."""
 
     def __init__(self, api_url: str) -> None:
         super().__init__(api_url)
         self.submitted: list[dict[str, Any]] = []
 
     def submit(self, event: dict[str, Any]) -> bool:
-        self.submitted.append(event)
+        if event["event"] == EVENT_REBOOTED:
+            self.submitted.append(event)
         return super().submit(event)
 
 

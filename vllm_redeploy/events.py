@@ -6,6 +6,9 @@ node's events): an automation matches one cluster's reboots, failures and recove
 - ``vllm.node.rebooted`` (the webhook, from a node's notifier): resource
   ``vllm-redeploy.node.<cluster>.<node>``; its id derives from cluster, node and boot id, so a
   notifier that retries the same boot yields one event (Prefect drops an id it has seen).
+- ``vllm.cluster.rebooted`` (the webhook, once every node of the cluster reported its new boot,
+  or ``reboot_delay_s`` after the first did): resource ``vllm-redeploy.cluster.<cluster>``; the
+  after-reboot deployment runs on it.
 - ``vllm.cluster.ready`` / ``vllm.cluster.failed`` (the end of every run): resource
   ``vllm-redeploy.cluster.<cluster>``.
 - ``vllm.cluster.unhealthy`` (the watcher, after [watch] failures bad looks in a row) and
@@ -22,6 +25,7 @@ from vllm_redeploy import PROJECT
 from vllm_redeploy.names import cluster_resource_id
 
 EVENT_REBOOTED = "vllm.node.rebooted"
+EVENT_CLUSTER_REBOOTED = "vllm.cluster.rebooted"
 EVENT_READY = "vllm.cluster.ready"
 EVENT_FAILED = "vllm.cluster.failed"
 EVENT_UNHEALTHY = "vllm.cluster.unhealthy"
@@ -65,6 +69,22 @@ def reboot_event(cluster: str, node: str, boot_id: str, uptime_s: float) -> dict
             LABEL_NODE: node,
         },
         "payload": {"boot_id": boot_id, "uptime_s": uptime_s},
+    }
+
+
+def cluster_rebooted_event(
+    cluster: str, boots: dict[str, str], missing: list[str], waited_s: float
+) -> dict[str, Any]:
+    """The cluster's nodes came back: ``boots`` (node -> boot id) reported, ``missing`` did not
+    within the wait. Its id derives from the boots, so two webhooks that saw the same ones give
+    one event."""
+    seen = ",".join(f"{node}/{boot}" for node, boot in sorted(boots.items()))
+    return {
+        "id": str(uuid.uuid5(EVENT_NAMESPACE, f"{cluster}/rebooted/{seen}")),
+        "event": EVENT_CLUSTER_REBOOTED,
+        "occurred": datetime.now(UTC).isoformat(),
+        "resource": cluster_resource(cluster),
+        "payload": {"boots": boots, "missing": missing, "waited_s": round(waited_s, 2)},
     }
 
 

@@ -134,7 +134,10 @@ class WebhookConfig(Section):
         600, description="after-reboot: further reboot events within this window start no run."
     )
     reboot_delay_s: float = Field(
-        60, ge=0, description="after-reboot: wait this long after the first event before the run."
+        60,
+        ge=0,
+        description="after-reboot: the run starts once every node reported its new boot, and "
+        "at the latest this long after the first node did (preflight waits for the rest).",
     )
 
 
