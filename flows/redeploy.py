@@ -9,7 +9,8 @@ recovery waits its backoff. Then, for the whole run, hold the cluster, so no oth
    that opens only the named ports is named here, not as a silent hang at the start).
 1. Stop what auto-starts at boot (units, containers) and our own earlier containers.
 2. Make sure every GPU is free, the memory vLLM will ask for (page cache dropped on unified
-   memory), and the head's ports.
+   memory), the compile cache's directory (handed to the image's user when it is not root),
+   and the head's ports.
 3-6. Launch the group, one step per phase of the plan. Ray backend: start the Ray head, join
    the workers (each pinned to its fabric IP), check that Ray sees every node and GPU, launch
    `vllm serve` on the head. mp backend (vLLM's own launcher, no Ray): launch the followers,
@@ -34,6 +35,7 @@ from prefect.events import emit_event
 from prefect.futures import wait
 from prefect.states import Completed, State
 
+from tasks.cache_dir import own_cache_dir
 from tasks.context import Run, StepFailed, log
 from tasks.diagnostics import collect_diagnostics
 from tasks.fabric_reach import judge_reach, pick_port, reach_from
@@ -55,7 +57,7 @@ from tasks.wait_ready import wait_until_ready
 from vllm_redeploy.config import ConfigError, load_config
 from vllm_redeploy.endpoint import api_base
 from vllm_redeploy.events import failed_event, ready_event
-from vllm_redeploy.launch.caches import compile_cache_words
+from vllm_redeploy.launch.caches import cache_owner, compile_cache_words
 from vllm_redeploy.names import artifact_key
 from vllm_redeploy.nodes import RemoteError
 from vllm_redeploy.safe_text import one_line, shown
@@ -189,6 +191,9 @@ def _runbook(run: Run, mode: Mode, step: Steps) -> dict[str, Any]:
     summary.gpus = step("gpus-clear", per_node, wait_gpus_clear, run, nodes)
     gpus = {g.node: g for g in summary.gpus}
     summary.memory = step("memory", per_node, make_memory_free, run, nodes, gpus)
+    owner = cache_owner(config, next(f.image_user for f in facts if f.node == config.head.name))
+    if owner is not None:
+        step("cache-dir", per_node, own_cache_dir, run, nodes, owner)
     step("ports-free", wait_ports_free, run, plan)
     step.launching = True
     for index, phase in enumerate(plan.phases):

@@ -1,8 +1,9 @@
-"""What the launch needs to know of the image: its ENTRYPOINT (kept when it runs its arguments)
-and where `ray` is when Ray runs in it. Asked on one node (the IDs must match everywhere), by a
-container that is created and never started (the entrypoint script is read from it) and one that
-runs `ray --version`: about two seconds, for answers that cannot change while the image's ID
-stays the same. So they are cached by that ID across runs."""
+"""What the launch needs to know of the image: its ENTRYPOINT (kept when it runs its arguments),
+where `ray` is when Ray runs in it, and its user (who must own the compile cache). Asked on one
+node (the IDs must match everywhere), by a container that is created and never started (the
+entrypoint script is read from it) and one that runs `ray --version`: about two seconds, for
+answers that cannot change while the image's ID stays the same. So they are cached by that ID
+across runs."""
 
 from __future__ import annotations
 
@@ -29,14 +30,15 @@ class ImageFacts:
     image_id: str
     entrypoint: ImageEntrypoint
     ray_path: str | None  # where `ray` is in the image; None when Ray does not run there
+    user: str = ""  # the image's USER; "" is root
 
 
 def image_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     """The image's ID and the mounts its containers get (a mount can bring a runtime)."""
     mounts = json.dumps(sorted(parameters["run"].config.vllm.volumes))
-    return (
-        f"image-facts-{parameters['image_id']}-{hashlib.sha256(mounts.encode()).hexdigest()[:12]}"
-    )
+    digest = hashlib.sha256(mounts.encode()).hexdigest()[:12]
+    # v2: the facts gained the image's user (a v1 result would lack it).
+    return f"image-facts-v2-{parameters['image_id']}-{digest}"
 
 
 # Cached by image ID for KEPT_FOR, persisted so that every later run (another process, the
@@ -53,8 +55,10 @@ def image_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
 )
 def image_facts(run: Run, node: str, image_id: str) -> ImageFacts:
     """Read the image's ENTRYPOINT, then ask whether Ray runs in it, on ``node``."""
-    argv, script = run.node(node).docker.image_entrypoint(run.config.vllm.image)
-    return ImageFacts(image_id, ImageEntrypoint.of(argv, script), _ray_in_image(run, node))
+    docker = run.node(node).docker
+    argv, script = docker.image_entrypoint(run.config.vllm.image)
+    user = docker.image_user(run.config.vllm.image)
+    return ImageFacts(image_id, ImageEntrypoint.of(argv, script), _ray_in_image(run, node), user)
 
 
 def _ray_in_image(run: Run, node: str) -> str | None:

@@ -50,6 +50,7 @@ class NodeFacts:
     fabric: FabricFacts | None = None
     weights_bytes: int | None = None  # the model directory's safetensors, in all
     entrypoint: ImageEntrypoint | None = None  # the image's (read on the head only)
+    image_user: str | None = None  # the image's USER, "" for root (read on the head only)
 
     @property
     def notes(self) -> list[str]:
@@ -136,6 +137,7 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
         fabric,
         _weights_bytes(access, config.vllm.model) if model.ok else None,
         facts.entrypoint if facts else None,
+        facts.user if facts else None,
     )
 
 

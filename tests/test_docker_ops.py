@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from tests.conftest import TEST_IMAGE
 from tests.testbed.dockerd import DockerEngine
+from vllm_redeploy.config import ClusterConfig
+from vllm_redeploy.launch.caches import cache_owner, own_cache_spec
 from vllm_redeploy.nodes import (
     CommandFailed,
     ContainerSpec,
@@ -157,3 +162,39 @@ def test_docker_over_ssh_survives_a_dropped_connection(
     sshd.drop_connections()
     assert node.image_id("vrd-test/busybox:1") == test_image
     node.close()
+
+
+def test_an_image_of_another_user_gets_the_cache_handed_to_it(
+    node_docker: NodeDocker,
+    engine,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+) -> None:
+    """An image whose USER is not root: its user is read from the image, and the one-shot
+    container (as root) hands the node's cache directory, made by Docker as root, to it."""
+    tag = f"vrd-test/user:{uuid.uuid4().hex[:8]}"
+    dockerfile = f"FROM {TEST_IMAGE}\nUSER 1234:1234\n".encode()
+    engine.images.build(fileobj=io.BytesIO(dockerfile), tag=tag, rm=True)
+    try:
+        assert node_docker.image_user(tag) == "1234:1234"
+        assert node_docker.image_user(TEST_IMAGE) == ""
+        cache = tmp_path / "cache"  # missing: Docker makes it for the mount, as root
+        config = cache_config(tag, cache)
+        assert cache_owner(config, "") is None and cache_owner(config, "root:root") is None
+        owner = cache_owner(config, node_docker.image_user(tag))
+        assert owner == "1234:1234"
+        code, output = node_docker.run_to_completion(own_cache_spec(config, owner), 60)
+        assert code == 0, output
+        assert (cache.stat().st_uid, cache.stat().st_gid) == (1234, 1234)
+        assert node_docker.get(own_cache_spec(config, owner).name) is None  # removed after
+    finally:
+        engine.images.remove(tag, force=True)
+
+
+def cache_config(image: str, cache: Path) -> ClusterConfig:
+    return ClusterConfig(  # type: ignore[call-arg]
+        _env_file=None,
+        name="ops",
+        nodes=[{"name": "node-a", "address": "127.0.0.1"}],
+        vllm={"image": image, "model": "/models/none"},
+        cache={"dir": str(cache)},
+    )

@@ -160,6 +160,7 @@ def busybox_rootfs() -> bytes:
     with tarfile.open(fileobj=buf, mode="w") as tar:
         tar.add("/bin/busybox", arcname="bin/busybox")
         applets = ("sh", "sleep", "cat", "echo", "true", "false", "env", "ls", "timeout", "sync")
+        applets += ("chown",)  # the compile cache handed to an image's user (tasks/cache_dir.py)
         for applet in applets:
             _symlink(tar, f"bin/{applet}", "busybox")
         for directory in ("tmp", "proc", "sys", "dev", "etc"):

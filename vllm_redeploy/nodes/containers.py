@@ -59,3 +59,4 @@ class ContainerSpec:
     cap_add: Sequence[str] = ()
     ulimits: Mapping[str, int] = field(default_factory=dict)  # name -> soft = hard; -1 unlimited
     privileged: bool = False
+    user: str | None = None  # None: the image's USER

@@ -155,6 +155,15 @@ class NodeDocker:
 
         return self._call(f"inspect image {image}", lookup)
 
+    def image_user(self, image: str) -> str:
+        """The image's USER ("" when it runs as root, Docker's default)."""
+        return self._call(
+            f"inspect image {image}",
+            lambda: str(
+                (self._client.api.inspect_image(image).get("Config") or {}).get("User") or ""
+            ),
+        )
+
     def image_entrypoint(self, image: str) -> tuple[list[str] | None, str | None]:
         """The image's ENTRYPOINT, and when that is one file, its first 64 KiB (read from a
         container created for it, never started, and removed at once)."""
@@ -260,6 +269,7 @@ class NodeDocker:
                 cap_add=list(spec.cap_add) or None,
                 ulimits=[Ulimit(name=k, soft=v, hard=v) for k, v in spec.ulimits.items()] or None,
                 privileged=spec.privileged,
+                user=spec.user,
                 restart_policy={"Name": "no"},
             )
             return container.id
