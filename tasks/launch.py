@@ -11,7 +11,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
 
 from tasks.context import RETRY_START, Run, log
-from tasks.ray_settle import check_ray_cluster, wait_head_up
+from tasks.ray_settle import check_ray_cluster
 from vllm_redeploy.launch import LaunchPlan, Member, container_argv
 from vllm_redeploy.launch.plan import Settle
 from vllm_redeploy.launch.ray import RayMember
@@ -20,7 +20,6 @@ from vllm_redeploy.nodes.result import render_command
 # How each kind of phase settles; what it returns is Ray's membership when it asked Ray.
 SETTLES: dict[Settle, Callable[[Run, list[Member]], list[RayMember]]] = {
     "started": lambda run, members: [],
-    "ray-head-up": wait_head_up,
     "ray-members": lambda run, members: check_ray_cluster(run),
 }
 

@@ -1,8 +1,9 @@
-"""How the Ray backend's launch phases settle: the head reports its start ("ray-head-up"), and
-Ray sees every node alive at its fabric IP with every GPU ("ray-members", step "cluster-check").
-
-While the nodes start, each one's Ray log says when it has registered (a cheap read); Ray's own
-member list then decides. A node whose Ray exits fails the step at once, with its log.
+"""How the Ray backend's launch settles: Ray sees every node alive at its fabric IP with every GPU
+("ray-members", step "cluster-check"). The head and the workers start one right after the other
+(the workers wait for the head's GCS by themselves), so this step is where both starts are waited
+for. While the nodes start, each one's Ray log says when it has registered (a cheap read); Ray's
+own member list then decides. A head or worker whose Ray exits meanwhile fails the step at once,
+with its log.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import RETRY_TRANSIENT, Run, StepFailed, log
-from vllm_redeploy.launch.plan import Member
 from vllm_redeploy.launch.ray import (
     RayMember,
     membership_problems,
@@ -30,29 +30,6 @@ POLL_S = 0.1
 # Ask Ray itself at least this often, even before every node logged its start (a Ray build may
 # word its success line differently); each look runs Python in the head container.
 LOOK_EVERY_S = 3.0
-# Past this without `ray start`'s success line (a Ray build may word it differently), the head
-# is taken as starting and the cluster check, which asks Ray itself, decides.
-HEAD_LINE_WAIT_S = 15.0
-
-
-def wait_head_up(run: Run, members: list[Member]) -> list[RayMember]:
-    """Wait until the Ray head says it is up; fail at once when its container exits."""
-    for head in members:
-        wait_s = min(HEAD_LINE_WAIT_S, run.config.deadlines.ray_cluster_s)
-        start = wait_ray_started(run.node(head.node).docker, head.spec.name, wait_s)
-        if start.exited:
-            raise StepFailed(
-                "ray-head",
-                f"the Ray head container on {head.node} exited with code {start.exit_code}. "
-                f"Last log lines:\n{block(start.tail)}",
-            )
-        if not start.started:
-            log().warning(
-                "the Ray head on %s has not reported its start yet. Last log lines:\n%s",
-                head.node,
-                block(start.tail),
-            )
-    return []
 
 
 def ray_members(run: Run) -> list[RayMember]:

@@ -18,9 +18,8 @@ from vllm_redeploy.launch.group import LABEL_LAUNCH, NodeFabric, container_argv
 from vllm_redeploy.nodes.containers import ContainerSpec
 
 # started: the containers were started (they find each other by themselves);
-# ray-head-up: `ray start --head` said it is up (or a short wait passed);
 # ray-members: Ray sees every node alive at its fabric IP, with its GPUs.
-Settle = Literal["started", "ray-head-up", "ray-members"]
+Settle = Literal["started", "ray-members"]
 
 
 @dataclass(frozen=True)
