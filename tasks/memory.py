@@ -82,7 +82,9 @@ def make_memory_free(run: Run, name: str, gpus: Mapping[str, GpuReport]) -> Memo
     unified = gpus[name].unified_memory if name in gpus else False
     drop = config.memory.drop_page_cache
     drop = unified if drop is None else drop
-    before = _meminfo(run, name)
+    # Read with the GPUs a moment ago, in the same round trip: no need to ask again.
+    before = gpus[name].meminfo if name in gpus else None
+    before = before or _meminfo(run, name)
     if drop:
         code, output = access.docker.run_to_completion(drop_cache_spec(run), DROP_TIMEOUT_S)
         if code != 0:

@@ -26,8 +26,8 @@ from vllm_redeploy.launch import (
 )
 from vllm_redeploy.nodes import (
     AuthenticationFailed,
+    CommandResult,
     HostKeyRejected,
-    NodeAccess,
     NodeUnreachable,
 )
 from vllm_redeploy.parsers.fabric import FABRIC_ARGV, FabricFacts, parse_fabric
@@ -107,14 +107,23 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
         # In this task run's context, so that image-facts runs as its child (and its cache).
         image = background.submit(contextvars.copy_context().run, image_facts, run, name, image_id)
     background.shutdown(wait=False)
-    model = access.runner.run(["test", "-d", config.vllm.model], check=False)
-    # Fabric IPs set by hand are lost at reboot; `ip route get` tells, without sending anything,
-    # whether the node still owns its fabric IP ("local ..." when it does).
+    # The node's own questions in one round trip: the model, the fabric IP, the fabric, the
+    # weights' size. Fabric IPs set by hand are lost at reboot; `ip route get` tells, without
+    # sending anything, whether the node still owns its fabric IP ("local ..." when it does).
     ip = run.node_config(name).ip
-    route = access.runner.run(["ip", "route", "get", ip], check=False)
+    model, route, fabric_out, weights = access.runner.run_all(
+        [
+            ["test", "-d", config.vllm.model],
+            ["ip", "route", "get", ip],
+            list(FABRIC_ARGV),
+            _weights_argv(config.vllm.model),
+        ],
+        timeout=60,
+    )
     # "Network is unreachable" (exit 2) is an answer: no address of the node is on that net.
     # A missing or broken `ip` is none: say so, never guess.
     if route.exit_code in (126, 127):
+        route = access.runner.run(route.argv, check=False)  # again, for its words
         why = (route.stderr or route.stdout).strip().splitlines()[-1:] or ["no output"]
         raise StepFailed(
             STEP,
@@ -122,7 +131,7 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
             f"{route.exit_code} ({one_line(why[0])}); it comes with iproute2: install it",
         )
     local = route.stdout.startswith("local ")
-    fabric = parse_fabric(access.runner.run(list(FABRIC_ARGV), check=False).stdout, ip)
+    fabric = parse_fabric(fabric_out.stdout, ip)
     facts = image.result() if image else None
     asked = facts is not None and asks_the_image(config)
     return NodeFacts(
@@ -135,18 +144,19 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
         local,
         asked,
         fabric,
-        _weights_bytes(access, config.vllm.model) if model.ok else None,
+        _weights_bytes(weights) if model.ok else None,
         facts.entrypoint if facts else None,
         facts.user if facts else None,
     )
 
 
-def _weights_bytes(access: NodeAccess, model: str) -> int | None:
-    """The size of the model's safetensors files (the weights every node loads a share of)."""
-    found = access.runner.run(
-        ["find", model, "-maxdepth", "2", "-name", "*.safetensors", "-printf", "%s\\n"],
-        check=False,
-    )
+def _weights_argv(model: str) -> list[str]:
+    """The size of each of the model's safetensors files (the weights every node loads a share
+    of), one per line."""
+    return ["find", model, "-maxdepth", "2", "-name", "*.safetensors", "-printf", "%s\\n"]
+
+
+def _weights_bytes(found: CommandResult) -> int | None:
     sizes = [int(line) for line in found.stdout.split() if line.isdigit()]
     return sum(sizes) if found.ok and sizes else None
 

@@ -15,6 +15,8 @@ from tasks.context import RETRY_TRANSIENT, Run, log
 from vllm_redeploy.nodes.containers import ContainerInfo, cluster_labels
 from vllm_redeploy.safe_text import shown
 
+ACTIVE_STATES = ("active", "activating", "reloading")
+
 
 @dataclass(frozen=True)
 class StopReport:
@@ -47,27 +49,48 @@ def stop_autostart(run: Run, name: str) -> StopReport:
     """Stop (and optionally disable) the units, then remove the matching containers."""
     config = run.config
     access = run.node(name)
-    stopped, disabled = [], []
-    for unit in config.autostart.units:
-        active = access.runner.run(["systemctl", "is-active", unit], check=False)
-        if active.stdout.strip() in ("active", "activating", "reloading"):
-            access.runner.run(["systemctl", "stop", unit], timeout=120)
-            stopped.append(unit)
-        if config.autostart.disable_units:
-            enabled = access.runner.run(["systemctl", "is-enabled", unit], check=False)
-            if enabled.stdout.strip() == "enabled":
-                # --no-reload: `disable` reloads systemd itself, which under Docker's systemd
-                # cgroup driver takes the GPUs from every running container on the node.
-                access.runner.run(["systemctl", "disable", "--no-reload", unit], timeout=60)
-                disabled.append(unit)
-    old = access.docker.list_containers(config.autostart.containers)
-    ours = access.docker.list_containers(labels=cluster_labels(config.name))
+    stopped = _stop_units(run, name)
+    disabled = _disable_units(run, name) if config.autostart.disable_units else []
+    old, ours = access.docker.list_matching_and_labelled(
+        config.autostart.containers, cluster_labels(config.name)
+    )
     _remove(run, name, {c.name: c for c in [*old, *ours]}.values())
     removed = [c.name for c in old]
     own = [c.name for c in ours if c.name not in removed]
     report = StopReport(name, tuple(stopped), tuple(disabled), tuple(removed), tuple(own))
     log().info(report.summary())
     return report
+
+
+def _stop_units(run: Run, name: str) -> list[str]:
+    """Stop the configured units that run, all in one `systemctl stop` (systemd stops them
+    side by side); which run, from one `systemctl is-active` (a line per unit, in order)."""
+    units = run.config.autostart.units
+    if not units:
+        return []
+    runner = run.node(name).runner
+    states = runner.run(["systemctl", "is-active", *units], check=False).stdout.split()
+    if len(states) != len(units):  # not one line per unit: ask for each
+        states = [
+            runner.run(["systemctl", "is-active", u], check=False).stdout.strip() for u in units
+        ]
+    running = [u for u, state in zip(units, states, strict=True) if state in ACTIVE_STATES]
+    if running:
+        runner.run(["systemctl", "stop", *running], timeout=120)
+    return running
+
+
+def _disable_units(run: Run, name: str) -> list[str]:
+    runner = run.node(name).runner
+    disabled = []
+    for unit in run.config.autostart.units:
+        enabled = runner.run(["systemctl", "is-enabled", unit], check=False)
+        if enabled.stdout.strip() == "enabled":
+            # --no-reload: `disable` reloads systemd itself, which under Docker's systemd
+            # cgroup driver takes the GPUs from every running container on the node.
+            runner.run(["systemctl", "disable", "--no-reload", unit], timeout=60)
+            disabled.append(unit)
+    return disabled
 
 
 def _remove(run: Run, name: str, containers: Iterable[ContainerInfo]) -> None:

@@ -78,3 +78,36 @@ def test_argv_is_never_given_to_a_shell(local: LocalRunner, tmp_path: Path) -> N
 def test_tail_gives_the_last_lines(local: LocalRunner) -> None:
     result = local.run(["sh", "-c", "for i in 1 2 3 4 5; do echo $i; done"], timeout=10)
     assert result.tail("stdout", 2) == "4\n5"
+
+
+# Several commands in one round trip: what each printed and its exit code, each argv quoted.
+BATCH = [
+    ["echo", "a b; $HOME"],  # quoted, never read by a shell as code
+    ["sh", "-c", "printf 'x\\ny'; echo oops >&2; exit 3"],
+    ["test", "-d", "/no/such/dir"],
+    ["printf", "%s\\n", "@@vrd-000000000000 rc 0 0"],  # output that looks like a marker
+    ["no-such-program-vrd"],
+]
+
+
+def check_batch(results: list) -> None:  # type: ignore[type-arg]
+    assert [(r.exit_code, r.stdout) for r in results] == [
+        (0, "a b; $HOME\n"),
+        (3, "x\ny"),  # stderr dropped on the way
+        (1, ""),
+        (0, "@@vrd-000000000000 rc 0 0\n"),
+        (127, ""),
+    ]
+    assert [r.argv for r in results] == [tuple(argv) for argv in BATCH]
+
+
+def test_run_all_answers_each_command_in_one_round_trip(local: LocalRunner) -> None:
+    check_batch(local.run_all(BATCH, timeout=10))
+
+
+def test_checked_runs_a_failed_command_again_for_its_words(local: LocalRunner) -> None:
+    ok, failed = local.run_all([["true"], ["sh", "-c", "echo why-it-failed >&2; exit 4"]])
+    assert local.checked(ok) is ok
+    with pytest.raises(CommandFailed) as caught:
+        local.checked(failed)
+    assert caught.value.result.exit_code == 4 and "why-it-failed" in str(caught.value)

@@ -19,10 +19,9 @@ from tasks.ports_free import _owners
 from tasks.stop_autostart import StopReport
 from tests.fuzz import fuzz_settings
 from vllm_redeploy.config import ConfigError, load_config
-from vllm_redeploy.gpus import inspect_gpus
-from vllm_redeploy.nodes import CommandFailed, CommandResult, NodeUnreachable, Runner
+from vllm_redeploy.gpus import judge_gpus
+from vllm_redeploy.nodes import CommandFailed, CommandResult, NodeUnreachable
 from vllm_redeploy.nodes.docker import DockerError
-from vllm_redeploy.nodes.runner import OutputCapture
 from vllm_redeploy.probe import ProbeVerdict, judge
 from vllm_redeploy.safe_text import block, fenced, for_terminal, one_line, shown, strip_escapes
 from vllm_redeploy.status import (
@@ -161,27 +160,6 @@ def _completion(content: str) -> str:
     return json.dumps({"choices": [{"message": message, "finish_reason": content}]})
 
 
-class CannedRunner(Runner):
-    """nvidia-smi and /proc/meminfo answers without a GPU: the text a node would print."""
-
-    def __init__(self, answers: dict[str, str]) -> None:
-        super().__init__("node-1")
-        self.answers = answers
-
-    def _execute(
-        self,
-        argv: tuple[str, ...],
-        *,
-        env: dict[str, str],
-        stdin: bytes | None,
-        timeout: float,
-        capture: OutputCapture,
-    ) -> tuple[int | None, bool]:
-        key = next((k for k in self.answers if k in " ".join(argv)), "")
-        capture.feed("stdout", self.answers.get(key, "").encode())
-        return 0, False
-
-
 @FUZZ
 @given(
     st.text(alphabet=st.characters(blacklist_characters="\n,\r\x00"), min_size=1).filter(
@@ -190,14 +168,12 @@ class CannedRunner(Runner):
 )
 @example("\x1b[2J[bold]python3")
 def test_gpu_problems_name_any_process_safely(name: str) -> None:
-    runner = CannedRunner(
-        {
-            "query-compute-apps": f"4242, {name}, 20998\n",
-            "query-gpu": "0, GPU-1, NVIDIA H200, 143771, 21000, 122000\n",
-            "meminfo": "MemTotal: 1000 kB\nMemAvailable: 900 kB\n",
-        }
+    report = judge_gpus(
+        "node-1",
+        f"4242, {name}, 20998\n",  # nvidia-smi --query-compute-apps
+        "0, GPU-1, NVIDIA H200, 143771, 21000, 122000\n",  # --query-gpu
+        "MemTotal: 1000 kB\nMemAvailable: 900 kB\n",
     )
-    report = inspect_gpus("node-1", runner)
     assert report.problems and all(p.isprintable() for p in report.problems), report.problems
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_local_runner import BATCH, check_batch
 from tests.testbed.sshd import SSHServer, keygen
 from vllm_redeploy.nodes import (
     AuthenticationFailed,
@@ -34,6 +35,10 @@ def test_failure_raises_with_exit_code_and_stderr_tail(ssh_runner: SSHRunner) ->
     assert info.value.result.exit_code == 3
     message = str(info.value)
     assert "exit code 3" in message and "node-a" in message and "boom-detail" in message
+
+
+def test_run_all_over_ssh_answers_as_locally(ssh_runner: SSHRunner) -> None:
+    check_batch(ssh_runner.run_all(BATCH, timeout=10))
 
 
 def test_check_false_returns_the_failure(ssh_runner: SSHRunner) -> None:

@@ -26,7 +26,6 @@ from vllm_redeploy.safe_text import one_line, shown
 
 # What a phase waits for once its containers are started, in words.
 SETTLED = {
-    "ray-head-up": "`ray start` reports the head up",
     "ray-members": "Ray sees every node at its fabric IP, with its GPUs",
 }
 
@@ -43,8 +42,9 @@ class _Seen:
 
 def _look(config: ClusterConfig, node: NodeConfig) -> _Seen:
     with NodeAccess(node, config) as access:
-        old = access.docker.list_containers(config.autostart.containers)
-        ours = access.docker.list_containers(labels=cluster_labels(config.name))
+        old, ours = access.docker.list_matching_and_labelled(
+            config.autostart.containers, cluster_labels(config.name)
+        )
         found = access.runner.run(list(FABRIC_ARGV), check=False)
         entrypoint = None
         if node is config.head and access.docker.image_id(config.vllm.image) is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from vllm_redeploy.memory import Meminfo, parse_meminfo
 from vllm_redeploy.nodes import Runner
 from vllm_redeploy.parsers.nvidia_smi import (
     COMPUTE_APPS_ARGV,
@@ -30,6 +31,7 @@ class GpuReport:
     mem_available_mib: int | None = None
     mem_total_mib: int | None = None
     problems: list[str] = field(default_factory=list)
+    meminfo: Meminfo | None = None  # /proc/meminfo as read with the GPUs (the memory step's too)
 
     @property
     def clear(self) -> bool:
@@ -51,9 +53,22 @@ class GpuReport:
 
 def inspect_gpus(node: str, runner: Runner, timeout: float = 30.0) -> GpuReport:
     """Query the node's GPUs and compute processes; graphics processes do not count."""
-    processes = parse_compute_apps(runner.run(list(COMPUTE_APPS_ARGV), timeout=timeout).stdout)
-    gpus = parse_gpus(runner.run(list(GPUS_ARGV), timeout=timeout).stdout)
-    meminfo = dict(_MEMINFO.findall(runner.run(["cat", "/proc/meminfo"], timeout=timeout).stdout))
+    apps, listed, memory = runner.run_all(
+        [COMPUTE_APPS_ARGV, GPUS_ARGV, ["cat", "/proc/meminfo"]], timeout=timeout
+    )
+    return judge_gpus(
+        node,
+        runner.checked(apps, timeout).stdout,
+        runner.checked(listed, timeout).stdout,
+        runner.checked(memory, timeout).stdout,
+    )
+
+
+def judge_gpus(node: str, apps_csv: str, gpus_csv: str, meminfo_text: str) -> GpuReport:
+    """The report from what nvidia-smi and /proc/meminfo printed."""
+    processes = parse_compute_apps(apps_csv)
+    gpus = parse_gpus(gpus_csv)
+    meminfo = dict(_MEMINFO.findall(meminfo_text))
     problems = [
         f"PID {p.pid} ({shown(p.process_name)}) holds "
         + (f"{p.used_mib} MiB" if p.used_mib is not None else "GPU memory")
@@ -72,4 +87,12 @@ def inspect_gpus(node: str, runner: Runner, timeout: float = 30.0) -> GpuReport:
     def mib(key: str) -> int | None:
         return int(meminfo[key]) // 1024 if key in meminfo else None
 
-    return GpuReport(node, gpus, processes, mib("MemAvailable"), mib("MemTotal"), problems)
+    return GpuReport(
+        node,
+        gpus,
+        processes,
+        mib("MemAvailable"),
+        mib("MemTotal"),
+        problems,
+        parse_meminfo(meminfo_text),
+    )

@@ -204,6 +204,17 @@ class NodeDocker:
             found = [c for c in found if any(fnmatch.fnmatchcase(c.name, p) for p in name_patterns)]
         return [_info(c) for c in found]
 
+    def list_matching_and_labelled(
+        self, name_patterns: Sequence[str], labels: Mapping[str, str]
+    ) -> tuple[list[ContainerInfo], list[ContainerInfo]]:
+        """(containers whose name matches a pattern, containers carrying all ``labels``), from
+        one listing of the node's containers instead of two calls."""
+        found = self._call("list containers", lambda: self._client.containers.list(all=True))
+        named = [c for c in found if any(fnmatch.fnmatchcase(c.name, p) for p in name_patterns)]
+        wanted = set(labels.items())
+        labelled = [c for c in found if wanted <= set((c.labels or {}).items())]
+        return [_info(c) for c in named], [_info(c) for c in labelled]
+
     def get(self, name: str) -> ContainerInfo | None:
         def lookup() -> ContainerInfo | None:
             try:
