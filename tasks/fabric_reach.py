@@ -15,6 +15,7 @@ from vllm_redeploy.fabric_reach import (
     blocked_message,
     judge,
     pick_port,
+    reach_argv,
     reach_spec,
 )
 from vllm_redeploy.launch import LaunchPlan
@@ -22,6 +23,7 @@ from vllm_redeploy.nodes.errors import RemoteError
 from vllm_redeploy.safe_text import one_line
 
 STEP = "fabric-reach"
+NO_PROGRAM = (126, 127)  # the shell's words for a program it cannot find or run
 __all__ = ["judge_reach", "pick_port", "reach_from"]
 
 
@@ -29,9 +31,19 @@ __all__ = ["judge_reach", "pick_port", "reach_from"]
 # containers must run at the same time, and one started again alone would find no peers.
 @task(name="fabric-reach", task_run_name="fabric-reach[{name}]", cache_policy=NO_CACHE)
 def reach_from(run: Run, name: str, port: int) -> NodeReach:
-    """Run ``name``'s check container: listen on its fabric IP, connect to every other node's."""
+    """Run ``name``'s check: listen on its fabric IP, connect to every other node's."""
+    return reach_on(run, name, port)
+
+
+def reach_on(run: Run, name: str, port: int, python: str = "python3") -> NodeReach:
+    """On the node when it has ``python``, else in a container of the image."""
+    access = run.node(name)
     try:
-        code, output = run.node(name).docker.run_to_completion(
+        argv = reach_argv(run.config, name, port, python)
+        on_node = access.runner.run(argv, timeout=TIMEOUT_S, check=False)
+        if on_node.exit_code not in NO_PROGRAM:
+            return NodeReach.parse(name, on_node.exit_code, on_node.stdout)
+        code, output = access.docker.run_to_completion(
             reach_spec(run.config, name, port), TIMEOUT_S
         )
     except RemoteError as exc:  # a lost node or Docker: said as unchecked, judged by others

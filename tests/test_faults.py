@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import StateType
 
 from flows.redeploy import redeploy_vllm_cluster
+from tasks.context import Run
+from tasks.fabric_reach import pick_port, reach_on
 from tests.conftest import make_bed
 from tests.testbed import image
 from tests.testbed.bed import SERVED_NAME, TestBed, bed_ip
@@ -601,6 +604,37 @@ def test_a_firewall_that_opens_only_the_named_ports(fault_bed: TestBed, row: Row
     took = outcome.detected_after(outcome.clock.at("fabric-reach", "running"))
     row.outcome = f"Failed: {first_line(message)}"
     row.detect = f"{took:.1f} s after fabric-reach began, before any change"
+
+
+def test_a_node_without_python3_checks_its_reach_in_a_container(fault_bed: TestBed) -> None:
+    """The reach check runs on a node itself when it has python3; a node without one runs the
+    same check in a one-shot container of the image, and the two still meet."""
+    path = fault_bed.write_config(fault_bed.root / "reach.toml")
+    run = Run(load_config(path, env_file=None))
+    since = int(time.time())
+    port = pick_port()
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            on_node = pool.submit(reach_on, run, HEAD, port)
+            in_container = pool.submit(reach_on, run, WORKER, port, "python3-not-on-this-node")
+            reports = [on_node.result(), in_container.result()]
+    finally:
+        run.close()
+    assert [(r.listen, dict(r.reached)) for r in reports] == [
+        ("ok", {WORKER: "ok"}),
+        ("ok", {HEAD: "ok"}),
+    ], reports
+    created = {n.name: created_since(n, since) for n in fault_bed.nodes}
+    assert created == {HEAD: [], WORKER: [f"{PROJECT}-bed-fabric-reach"]}, created
+
+
+def created_since(node: EmulatedNode, since: int) -> list[str]:
+    with contextlib.closing(node.engine.client()) as client:
+        events = client.events(
+            since=since, until=int(time.time()) + 1, decode=True,
+            filters={"type": "container", "event": "create"},
+        )  # fmt: skip
+        return [e["Actor"]["Attributes"]["name"] for e in events]
 
 
 def test_engine_killed_during_load(fault_bed: TestBed, row: Row) -> None:

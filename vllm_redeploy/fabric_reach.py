@@ -3,17 +3,19 @@
 vLLM's ranks meet on named ports (the mp master port, Ray's GCS port), then talk on ports the
 kernel picks: the mp leader's ZMQ queues, each follower's, NCCL's and Gloo's sockets, Ray's
 workers. A firewall that opens only the named ports lets the rendezvous through, and the start
-then hangs with nothing in any log. So before anything starts, one short-lived container per node
-(the configured image, the host's network) listens on its node's fabric IP on one port of the
-ephemeral range, and connects from that IP to the same port on every other node's fabric IP.
-Each says, as one JSON line, whether it listened and, per peer, how its connect ended:
+then hangs with nothing in any log. So before anything starts, one short-lived check per node
+listens on its node's fabric IP on one port of the ephemeral range, and connects from that IP to
+the same port on every other node's fabric IP. It runs on the node itself when the node has a
+``python3`` (one SSH round trip), else in a one-shot container of the configured image (a second
+to start) on the host's network: the same network either way. Each says, as one JSON line,
+whether it listened and, per peer, how its connect ended:
 
 - ``ok``: the peer accepted;
 - ``timeout``: no answer at all until the window closed: a firewall drops the packets;
 - ``refused`` / ``unreachable``: rejected (a firewall's reject, or nothing listening);
 - another OS error's words.
 
-The containers leave as soon as they have reached every peer and heard from every peer. A peer
+The checks leave as soon as they have reached every peer and heard from every peer. A peer
 that cannot be reached is tried until the window closes (so a peer whose container starts up to
 a window later is still reached); one that has not heard from every peer listens two seconds
 longer. Listening any longer would not help: the late peer could not be reached either.
@@ -123,15 +125,21 @@ def pick_port() -> int:
     return random.randint(*EPHEMERAL)  # noqa: S311 - a port number, not a secret
 
 
-def reach_spec(config: ClusterConfig, node: str, port: int) -> ContainerSpec:
-    """``node``'s one-shot container: listen on its fabric IP, reach every other node's."""
+def reach_argv(config: ClusterConfig, node: str, port: int, python: str = "python3") -> list[str]:
+    """``node``'s check: listen on its fabric IP, reach every other node's."""
     ips = {n.name: n.ip for n in config.nodes}
     peers = json.dumps({name: ip for name, ip in ips.items() if name != node})
+    return [python, "-c", REACH_SCRIPT, node, ips[node], str(port), f"{WINDOW_S:g}", peers]
+
+
+def reach_spec(config: ClusterConfig, node: str, port: int) -> ContainerSpec:
+    """The same check in a one-shot container of the image, for a node without ``python3``."""
+    program, *args = reach_argv(config, node, port)
     return ContainerSpec(
         name=container_name(config.name, ROLE),
         image=config.vllm.image,
-        entrypoint=["python3"],  # whatever the image's ENTRYPOINT: our program, not vLLM
-        command=["-c", REACH_SCRIPT, node, ips[node], str(port), f"{WINDOW_S:g}", peers],
+        entrypoint=[program],  # whatever the image's ENTRYPOINT: our program, not vLLM
+        command=args,
         # The configured mounts, as every container of the image gets them: the runtime of an
         # image may come from one (the test bed's images take Python from the host's /usr).
         volumes=list(config.vllm.volumes),
