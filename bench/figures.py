@@ -6,9 +6,13 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from bench.caches import CacheStarts
 from bench.measure import Crash, Ensure, FlowRun, Redeploy
 from bench.reference import ReferenceRun
 
+# Issue 25's targets: overhead beyond the model's own load at the smallest N, per backend, and
+# the largest N over the smallest.
+OVERHEAD_MAX_S = {"mp": 5.0, "ray": 10.0}
 # Issue 7's targets.
 BEYOND_BOOKKEEPING_MAX_S = 5.0  # overhead at the smallest N beyond Prefect's bookkeeping
 SCALING_MAX = 1.25  # overhead at the largest N over overhead at the smallest
@@ -35,6 +39,11 @@ class PerNodes:
     ensures: list[Ensure] = field(default_factory=list)
     crashes: list[Crash] = field(default_factory=list)
     bookkeeping: list[float] = field(default_factory=list)
+    mp_redeploys: list[Redeploy] = field(default_factory=list)  # the same, vLLM's own launcher
+
+    def overhead_of(self, backend: str) -> float | None:
+        runs = self.mp_redeploys if backend == "mp" else self.redeploys
+        return median(r.overhead_s for r in runs)
 
     @property
     def wall_s(self) -> float | None:
@@ -107,6 +116,20 @@ class PerNodes:
         return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def preflight_split(bench: Bench) -> tuple[list[float], list[float]]:
+    """Preflight's duration in the runs that asked the image (its facts not cached yet: an
+    `image-facts` task run ran) and in those that found them cached."""
+    asked: list[float] = []
+    cached: list[float] = []
+    for per in bench.per_nodes.values():
+        for r in [*per.redeploys, *per.mp_redeploys]:
+            seconds = step_durations(r.run).get("preflight")
+            if seconds is not None:
+                ran = any(t.step == "image-facts" for t in r.run.record.tasks)
+                (asked if ran else cached).append(seconds)
+    return asked, cached
+
+
 def step_durations(run: FlowRun) -> dict[str, float]:
     spans: dict[str, tuple[float, float]] = {}
     for t in run.record.tasks:
@@ -141,6 +164,11 @@ class Extras:
     run_temporary_s: list[float] = field(default_factory=list)
     run_server_s: list[float] = field(default_factory=list)
     references: dict[float, list[ReferenceRun]] = field(default_factory=dict)
+    # Every node reports its new boot (the webhook's default wait, reboot_delay_s): the last
+    # node's call to the after-reboot run Running.
+    reboot_all_s: list[float] = field(default_factory=list)
+    reboot_delay_s: float = 0.0
+    caches: CacheStarts | None = None  # the real engine's starts with and without [cache]
 
     def reference(self, poll_s: float) -> dict[str, float | None]:
         runs = self.references.get(poll_s, [])
@@ -173,6 +201,12 @@ class Bench:
     @property
     def largest(self) -> PerNodes:
         return self.per_nodes[max(self.per_nodes)]
+
+    def scaling_of(self, backend: str) -> float | None:
+        small, large = self.smallest.overhead_of(backend), self.largest.overhead_of(backend)
+        if small is None or large is None or len(self.per_nodes) < 2 or small <= 0:
+            return None
+        return large / small
 
     @property
     def scaling(self) -> float | None:

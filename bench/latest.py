@@ -95,6 +95,84 @@ def flow_table(bench: Bench) -> list[str]:
     return lines
 
 
+def reboot_to_served_table(bench: Bench) -> list[str]:
+    """Issue 25's figures in one table: each beside its target and the reference runbook."""
+    small, large, extras = bench.smallest, bench.largest, bench.extras
+    ref = extras.reference(f.REFERENCE_POLL_TO_BEAT_S) if extras else {}
+    lines = [
+        "| figure | measured | target | met | reference runbook |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for backend, words in (("mp", "vLLM's own launcher (mp)"), ("ray", "Ray")):
+        limit = f.OVERHEAD_MAX_S[backend]
+        mine = small.overhead_of(backend)
+        theirs = num(ref.get("overhead_s")) if backend == "ray" and ref else "–"
+        lines.append(
+            f"| overhead beyond the model's load, {words}, N={small.nodes}, s | {num(mine)} | "
+            f"≤ {limit:g} | {verdict(None if mine is None else mine <= limit)} | {theirs} |"
+        )
+    for backend, words in (("mp", "mp"), ("ray", "Ray")):
+        ratio = bench.scaling_of(backend)
+        big = large.overhead_of(backend)
+        lines.append(
+            f"| overhead N={large.nodes} over N={small.nodes}, {words} | "
+            f"{'–' if ratio is None else f'{ratio:.2f}× ({num(big)} s)'} | ≤ {f.SCALING_MAX:g}× "
+            f"| {verdict(None if ratio is None else ratio <= f.SCALING_MAX)} | – |"
+        )
+    asked, cached = f.preflight_split(bench)
+    lines += [
+        f"| preflight, an image seen first (its facts asked: {len(asked)} run(s)), s | "
+        f"{num(median(asked), 2)} | – | – | – |",
+        f"| preflight, an image known (its facts cached by image ID: {len(cached)} run(s)), s | "
+        f"{num(median(cached), 2)} | below the first | "
+        f"{verdict(_below(median(cached), median(asked)))} | – |",
+    ]
+    if extras is not None:
+        fixed = median(extras.webhook_s)
+        before = None if fixed is None else extras.reboot_delay_s + fixed
+        after = median(extras.reboot_all_s)
+        lines += [
+            f"| every node rebooted → after-reboot run Running (last node's report, "
+            f"reboot_delay_s {extras.reboot_delay_s:g}), s | {num(after)} | no fixed wait "
+            f"(< {extras.reboot_delay_s:g}) | "
+            f"{verdict(None if after is None else after < extras.reboot_delay_s)} | – |",
+            f"| the same before this change: the fixed {extras.reboot_delay_s:g} s, plus the "
+            f"trigger path (one node, delay 0: {num(fixed)} s), s | {num(before)} | – | – | – |",
+        ]
+        lines += _cache_rows(extras)
+    return lines
+
+
+def _below(value: float | None, limit: float | None) -> bool | None:
+    return None if value is None or limit is None else value < limit
+
+
+def _cache_rows(extras: Extras) -> list[str]:
+    starts = extras.caches
+    if starts is None or starts.skipped:
+        why = starts.skipped if starts else "not measured (--no-real-engine)"
+        return [f"| the real engine's starts with and without [cache] | {why} | – | – | – |"]
+    rows = []
+    for cache in (True, False):
+        for nth in (1, 2):
+            s = starts.get(cache, nth)
+            if s is None:
+                continue
+            rows.append(
+                f"| real vLLM (CPU build), [cache] {'on' if cache else 'off'}, start {nth}: "
+                f"served / first answer, s | {num(s.ready_s)} / {num(s.first_answer_s)} "
+                f"({s.state}) | – | – | – |"
+            )
+    warm, cold = starts.get(True, 2), starts.get(False, 2)
+    if warm is not None and cold is not None:
+        saved = (cold.ready_s + cold.first_answer_s) - (warm.ready_s + warm.first_answer_s)
+        rows.append(
+            "| the cache's saving at a second start (served + first answer, off − on), s | "
+            f"{num(saved)} | > 0 | {verdict(saved > 0)} | – |"
+        )
+    return rows
+
+
 def extras_table(bench: Bench, extras: Extras) -> list[str]:
     load = bench.load_s
     temporary, server = median(extras.run_temporary_s), median(extras.run_server_s)
@@ -208,6 +286,18 @@ def method(bench: Bench) -> list[str]:
         "workers, `ray status` shows every GPU, `vllm serve`, poll `/v1/models` every POLL_S s, "
         "one curl chat request. Its wall runs from its first step to the answer (the helper that "
         "reads the configuration is not counted).",
+        "- **From reboot to served**: *overhead* as below, for each backend (the mp runs are "
+        'redeploys with `[vllm] backend = "mp"` on the same bed, after the Ray ones); the '
+        "reference runbook drives Ray. *preflight*: the step's time in the runs whose "
+        "`image-facts` task ran (the image's ID not seen by this Prefect server before) and in "
+        "those that found it cached. *every node rebooted*: each node of the bed reports a new "
+        "boot to the webhook, one after the other, with the default `reboot_delay_s`; from the "
+        "last call to the after-reboot run's `start_time` (before this change the run started "
+        "`reboot_delay_s` after the first report: that row adds the delay to the one-node, "
+        "delay-0 figure). *real vLLM*: `bench/caches.py` (two nodes, mp, torch.compile on): "
+        "two redeploys with `[cache]` on, from an empty cache directory, then two with it off; "
+        "served is the `wait-ready` step, first answer the `probe` step (the CPU build compiles "
+        "kernels at the first request), the state is what the run's summary said.",
         "- **steps**: per step, median over runs of first start to last end of its task runs; "
         "`(flow)` rows are the gaps before the first and after the last task run; "
         "`(stand-in)` is the engine container's start to its first weight-loading log line "
@@ -224,7 +314,11 @@ def render(bench: Bench) -> list[str]:
         f"{bench.load_s:g} s. Charts: `latest-timeline.png` (one run's steps per node), "
         "`latest-overhead.png` (overhead per node count).",
         "",
-        "## The flow",
+        "## From reboot to served",
+        "",
+        *reboot_to_served_table(bench),
+        "",
+        "## The flow (Ray backend)",
         "",
         *flow_table(bench),
     ]

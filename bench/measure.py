@@ -140,12 +140,18 @@ def stand_in_env(bed: TestBed, tag: str, load_s: float, fault: str = "") -> dict
 
 
 def write_config(bed: TestBed, tag: str, env: dict[str, str], **changes: Any) -> Path:
-    return bed.write_config(bed.root / f"{tag}.toml", vllm={"env": env}, **changes)
+    vllm = {"env": env, **changes.pop("vllm", {})}
+    return bed.write_config(bed.root / f"{tag}.toml", vllm=vllm, **changes)
 
 
-def redeploy(api_url: str, bed: TestBed, tag: str, load_s: float) -> Redeploy:
+def redeploy(
+    api_url: str, bed: TestBed, tag: str, load_s: float, backend: str = "auto"
+) -> Redeploy:
+    """A redeploy with the stand-in loading for ``load_s``; ``backend`` as [vllm] backend (the
+    bed's image carries Ray, so auto is ray)."""
     env = stand_in_env(bed, tag, load_s)
-    run = run_flow(api_url, bed, write_config(bed, tag, env), env, "redeploy")
+    config = write_config(bed, tag, env, vllm={"backend": backend})
+    run = run_flow(api_url, bed, config, env, "redeploy")
     if run.record.state != "COMPLETED":
         raise RuntimeError(f"the redeploy {tag} ended {run.record.state}; see the Prefect UI")
     run.events = read_events(Path(env["VRD_EVENT_LOG"]))

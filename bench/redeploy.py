@@ -2,6 +2,7 @@
 webhook trigger, cold starts, and the operator's runbook as a reference, on the test bed.
 
     .venv/bin/python -m bench.redeploy [--nodes 2 4 8] [--runs 3] [--load 20] [--out bench/results]
+        [--no-real-engine]
 
 One real `prefect server start` for every run (its start is not counted); one bed per node
 count. Writes <out>/latest.md (medians, targets, method), <out>/latest-timeline.png and
@@ -24,7 +25,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")  # the flows' step logs would drown ours
 
-from bench import chart, coldstart, latest, measure, trigger
+from bench import caches, chart, coldstart, latest, measure, trigger
 from bench.bookkeeping import bookkeeping_s, shape_of
 from bench.figures import Bench, Extras, PerNodes
 from bench.prefect_server import running_prefect_server, using_api
@@ -34,6 +35,7 @@ from tests.testbed.bed import TestBed
 
 # This benchmark's loopback addresses, by position in --nodes (other suites use others).
 FIRST_IPS = (150, 160, 170)
+REAL_ENGINE_IP = 190
 
 
 def say(text: str) -> None:
@@ -58,6 +60,10 @@ def measure_flow(api: str, bed: TestBed, result: PerNodes, args: argparse.Namesp
         result.redeploys.append(done)
         say(f"N={result.nodes} redeploy {i + 1}: wall {done.run.wall_s:.1f} s")
         result.ensures.append(measure.ensure(api, bed, done))
+    for i in range(args.runs):
+        done = measure.redeploy(api, bed, f"mp{i}", args.load, backend="mp")
+        result.mp_redeploys.append(done)
+        say(f"N={result.nodes} mp redeploy {i + 1}: wall {done.run.wall_s:.1f} s")
     shape = shape_of(result.redeploys[0].run.record.tasks)
     result.bookkeeping = [bookkeeping_s(shape) for _ in range(args.runs)]
 
@@ -72,8 +78,11 @@ def measure_extras(
     api: str, bed: TestBed, result: PerNodes, args: argparse.Namespace, work: Path
 ) -> Extras:
     extras = Extras(len(bed.nodes))
-    served = result.redeploys[-1].run
-    extras.webhook_s = trigger.webhook_to_running(api, bed, served.env, args.runs)
+    # The Ray group again (the mp runs came last): the triggered `ensure` runs find it healthy.
+    served = measure.redeploy(api, bed, "served", args.load).run
+    lags = trigger.webhook_to_running(api, bed, served.env, args.runs)
+    extras.webhook_s, extras.reboot_all_s = lags.one_node_s, lags.all_nodes_s
+    extras.reboot_delay_s = lags.delay_s
     say("webhook → Running done")
     extras.probe_cold_s = [coldstart.probe_s(served.config) for _ in range(args.runs)]
     home = work / "temporary-api-home"
@@ -102,6 +111,12 @@ def run_bench(api: str, args: argparse.Namespace, work: Path) -> Bench:
             if position == 0:
                 bench.extras = measure_extras(api, bed, result, args, work)
             measure_crashes(api, bed, result, args)
+    if bench.extras is not None and args.real_engine:
+        root = Path(tempfile.mkdtemp(prefix="vrd-b-", dir="/tmp"))
+        try:
+            bench.extras.caches = caches.real_engine_starts(root, REAL_ENGINE_IP, say)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
     return bench
 
 
@@ -127,6 +142,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="the reference runbook's /v1/models polling intervals, s",
     )
     parser.add_argument("--api-url", help="use this Prefect server instead of starting one")
+    parser.add_argument(
+        "--no-real-engine",
+        dest="real_engine",
+        action="store_false",
+        help="skip the real vLLM's starts with and without the compile cache (minutes)",
+    )
     parser.add_argument("--first-ip", type=int, help="put every bed at 127.0.0.K (default 150..)")
     args = parser.parse_args(argv)
     if len(args.nodes) > len(FIRST_IPS) and args.first_ip is None:

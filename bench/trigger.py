@@ -1,9 +1,10 @@
-"""A signed reboot-webhook call to the after-reboot flow run being Running, on a real server.
+"""A reboot reported to the webhook, to the after-reboot flow run being Running, on a real server.
 
-`vllm-redeploy serve` serves the deployments (reboot_delay_s = 0: the deliberate delay before
-the run is excluded); the webhook runs in this process and posts events to the same server. Each
-call carries a new boot id, so each is a new event; the debounce window is 1 s and the bench
-waits it out between calls, so every call starts exactly one run.
+`vllm-redeploy serve` serves the deployments; the webhook runs in this process and posts events
+to the same server. Each call carries a new boot id, so each is a new boot; the debounce window is
+1 s and the bench waits it out between rounds, so every round starts exactly one run. Two ways:
+one node reporting with ``reboot_delay_s = 0`` (the trigger path alone), and every node reporting
+with the default ``reboot_delay_s`` (the run starts once the last one has, not after the delay).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,10 +28,11 @@ from deployments.webhook import SECRET_ENV, running_webhook
 from tests.test_deployments import call, deployments_by_name, runs_of
 from tests.testbed.bed import TestBed
 from tests.testbed.procs import spawn, stop
-from vllm_redeploy.config import load_config
+from vllm_redeploy.config import WebhookConfig, load_config
 
 BIN = Path(sys.executable).parent
 DEBOUNCE_S = 1.0
+DEFAULT_DELAY_S = float(WebhookConfig.model_fields["reboot_delay_s"].default)
 FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
 T = TypeVar("T")
 
@@ -72,9 +75,17 @@ def _finished(api_url: str, deployment_id: str, run_id: str) -> dict[str, Any] |
     return runs[run_id] if runs[run_id]["state_type"] in FINAL else None
 
 
-def webhook_to_running(api_url: str, bed: TestBed, env: dict[str, str], runs: int) -> list[float]:
-    """Seconds from each signed call to its flow run's start (Running). The cluster must be
-    healthy with the stand-in ``env`` it was deployed with: the runs are `ensure` no-ops."""
+@dataclass
+class RebootLags:
+    one_node_s: list[float] = field(default_factory=list)  # reboot_delay_s = 0, one node
+    all_nodes_s: list[float] = field(default_factory=list)  # the default delay, every node
+    delay_s: float = DEFAULT_DELAY_S
+
+
+def webhook_to_running(api_url: str, bed: TestBed, env: dict[str, str], runs: int) -> RebootLags:
+    """Seconds from the (last) signed call of each round to its flow run's start (Running).
+    The cluster must be healthy with the stand-in ``env`` it was deployed with: the runs are
+    `ensure` no-ops."""
     secret = uuid.uuid4().hex
     webhook = {"reboot_debounce_s": DEBOUNCE_S, "reboot_delay_s": 0}
     path = write_config(bed, "served", env, webhook=webhook)
@@ -83,27 +94,41 @@ def webhook_to_running(api_url: str, bed: TestBed, env: dict[str, str], runs: in
     argv = [str(BIN / "vllm-redeploy"), "serve", "--config", str(path)]
     proc = spawn(argv, log, env)
     sender = EventSender(api_url)
-    lags = []
+    lags = RebootLags()
     try:
         with _secret(secret):
             cluster = load_config(path, env_file=None)
         name = f"{cluster.name}-after-reboot"
         deployment = _wait_for(name, lambda: _deployment_id(api_url, name), 90, log)
-        with running_webhook(cluster, sender) as url:
-            for _ in range(runs):
-                known = {r["id"] for r in runs_of(api_url, deployment)}
-                sent = time.time()
-                answer = call(url, bed.nodes[0].name, str(uuid.uuid4()), secret=secret)
-                answer.raise_for_status()
-                new = partial(_new_run, api_url, deployment, known)
-                run = _wait_for("the triggered run", new, 120, log)
-                lags.append((stamp(run["start_time"]) or 0.0) - sent)
-                end = partial(_finished, api_url, deployment, run["id"])
-                done = _wait_for("its end", end, 180, log)
-                if done["state_type"] != "COMPLETED":
-                    raise RuntimeError(f"the triggered ensure run ended {done['state_type']}")
-                time.sleep(DEBOUNCE_S + 1)
+        waiting = cluster.model_copy(
+            update={"webhook": cluster.webhook.model_copy(update={"reboot_delay_s": lags.delay_s})}
+        )
+        rounds = [(cluster, [bed.nodes[0].name], lags.one_node_s)]
+        rounds.append((waiting, [n.name for n in bed.nodes], lags.all_nodes_s))
+        for config, nodes, found in rounds:
+            with running_webhook(config, sender) as url:
+                for _ in range(runs):
+                    found.append(_one_round(api_url, deployment, url, nodes, secret, log))
     finally:
         sender.close(timeout=10)
         stop(proc, grace=10)
     return lags
+
+
+def _one_round(
+    api_url: str, deployment: str, url: str, nodes: list[str], secret: str, log: Path
+) -> float:
+    """Every node in ``nodes`` reports a new boot, one after the other; seconds from the last
+    call to the run's start."""
+    known = {r["id"] for r in runs_of(api_url, deployment)}
+    for node in nodes:
+        sent = time.time()
+        call(url, node, str(uuid.uuid4()), secret=secret).raise_for_status()
+    new = partial(_new_run, api_url, deployment, known)
+    run = _wait_for("the triggered run", new, 120, log)
+    end = partial(_finished, api_url, deployment, run["id"])
+    done = _wait_for("its end", end, 180, log)
+    if done["state_type"] != "COMPLETED":
+        raise RuntimeError(f"the triggered ensure run ended {done['state_type']}")
+    time.sleep(DEBOUNCE_S + 1)
+    return (stamp(run["start_time"]) or 0.0) - sent

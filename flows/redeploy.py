@@ -240,6 +240,7 @@ def _finish(summary: RunSummary, event: bool = True) -> dict[str, Any]:
         "steps": summary.steps,
         "notes": summary.notes,
         "probe": summary.probe.as_dict() if summary.probe else None,
+        "compile_cache": summary.compile_cache,
         "summary": markdown,
     }
 

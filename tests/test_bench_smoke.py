@@ -28,6 +28,11 @@ ROWS = (
     "`vllm-redeploy run`, fresh process, temporary API",
     "`vllm-redeploy run`, fresh process, real server",
     "reference, poll 2 s",
+    "## From reboot to served",
+    "overhead beyond the model's load, vLLM's own launcher (mp)",
+    "overhead beyond the model's load, Ray",
+    "preflight, an image known",
+    "every node rebooted → after-reboot run Running",
     "## Steps",
 )
 
@@ -52,6 +57,7 @@ def test_benchmark_writes_its_table_and_charts(prefect_server: str, tmp_path: Pa
         "185",
         "--api-url",
         prefect_server,
+        "--no-real-engine",  # minutes of the real vLLM: tests/test_real_vllm.py runs it
         "--out",
         str(tmp_path),
     ]
