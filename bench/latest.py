@@ -295,7 +295,7 @@ def method(bench: Bench) -> list[str]:
         "last call to the after-reboot run's `start_time` (before this change the run started "
         "`reboot_delay_s` after the first report: that row adds the delay to the one-node, "
         "delay-0 figure). *real vLLM*: `bench/caches.py` (two nodes, mp, torch.compile on): "
-        "two redeploys with `[cache]` on, from an empty cache directory, then two with it off; "
+        "two redeploys with `[cache]` off, then two with it on, from an empty cache directory; "
         "served is the `wait-ready` step, first answer the `probe` step (the CPU build compiles "
         "kernels at the first request), the state is what the run's summary said.",
         "- **steps**: per step, median over runs of first start to last end of its task runs; "

@@ -97,21 +97,14 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
     waited = wait_reachable(run, name)
     access = run.node(name)
     docker = access.docker
-    version = docker.version()
-    image_id = docker.image_id(config.vllm.image)
-    # One node answers for the image (the IDs must match everywhere), in the background: its
-    # containers take the longest of all checks, the first time an image is seen.
-    background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="preflight")
-    image = None
-    if image_id is not None and name == config.head.name:
-        # In this task run's context, so that image-facts runs as its child (and its cache).
-        image = background.submit(contextvars.copy_context().run, image_facts, run, name, image_id)
-    background.shutdown(wait=False)
-    # The node's own questions in one round trip: the model, the fabric IP, the fabric, the
-    # weights' size. Fabric IPs set by hand are lost at reboot; `ip route get` tells, without
-    # sending anything, whether the node still owns its fabric IP ("local ..." when it does).
+    # The node's own questions in one round trip, while Docker answers its own (side by side:
+    # two channels of one connection): the model, the fabric IP, the fabric, the weights' size.
+    # Fabric IPs set by hand are lost at reboot; `ip route get` tells, without sending anything,
+    # whether the node still owns its fabric IP ("local ..." when it does).
     ip = run.node_config(name).ip
-    model, route, fabric_out, weights = access.runner.run_all(
+    background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="preflight")
+    asked = background.submit(
+        access.runner.run_all,
         [
             ["test", "-d", config.vllm.model],
             ["ip", "route", "get", ip],
@@ -120,6 +113,16 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
         ],
         timeout=60,
     )
+    version = docker.version()
+    image_id = docker.image_id(config.vllm.image)
+    # One node answers for the image (the IDs must match everywhere), in the background: its
+    # containers take the longest of all checks, the first time an image is seen.
+    image = None
+    if image_id is not None and name == config.head.name:
+        # In this task run's context, so that image-facts runs as its child (and its cache).
+        image = background.submit(contextvars.copy_context().run, image_facts, run, name, image_id)
+    background.shutdown(wait=False)
+    model, route, fabric_out, weights = asked.result()
     # "Network is unreachable" (exit 2) is an answer: no address of the node is on that net.
     # A missing or broken `ip` is none: say so, never guess.
     if route.exit_code in (126, 127):
