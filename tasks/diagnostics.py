@@ -66,6 +66,8 @@ def _ray_status(run: Run, access: NodeAccess) -> str:
     return "### ray status\n" + fenced((status.stdout or status.stderr).strip())
 
 
+# Not cached: what went wrong is this run's. Not retried: it runs while the run fails, and a
+# node it cannot read is said in the artifact rather than waited for.
 @task(name="diagnostics", cache_policy=NO_CACHE)
 def collect_diagnostics(run: Run, step: str, reason: str) -> str:
     sections = [f"# {run.config.name}: failed at {step}", fenced(reason)]

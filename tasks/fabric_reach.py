@@ -28,7 +28,7 @@ __all__ = ["judge_reach", "pick_port", "reach_from"]
 
 
 # Not cached: a firewall changes without the configuration changing. No retries: the nodes'
-# containers must run at the same time, and one started again alone would find no peers.
+# checks must run at the same time, and one started again alone would find no peers.
 @task(name="fabric-reach", task_run_name="fabric-reach[{name}]", cache_policy=NO_CACHE)
 def reach_from(run: Run, name: str, port: int) -> NodeReach:
     """Run ``name``'s check: listen on its fabric IP, connect to every other node's."""
