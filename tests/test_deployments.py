@@ -9,7 +9,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from tests.conftest import make_bed
 from tests.testbed.bed import TestBed
 from tests.testbed.procs import spawn, stop
 from vllm_redeploy.config import load_config
+from vllm_redeploy.events import cluster_rebooted_event
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parent.parent
@@ -267,16 +268,8 @@ def test_calls_for_another_cluster_start_nothing(
     deployment = after_reboot(prefect_api, path)
     before = len(runs_of(prefect_api, deployment["id"]))
     config = load_config(path, env_file=None)
-    event = {
-        "id": str(uuid.uuid4()),
-        "occurred": datetime.now(UTC).isoformat(),
-        "event": "vllm.node.rebooted",
-        "resource": {
-            "prefect.resource.id": "vllm-redeploy.node.other.node-1",
-            "vllm-redeploy.cluster": "other",
-            "vllm-redeploy.node": "node-1",
-        },
-    }
+    # Another cluster's nodes all came back: that cluster's after-reboot event, not this one's.
+    event = cluster_rebooted_event("other", {"node-1": str(uuid.uuid4())}, [], 1.0)
     api(prefect_api, "POST", "/events", [event])
     time.sleep(8)
     assert len(runs_of(prefect_api, deployment["id"])) == before

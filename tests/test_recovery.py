@@ -22,7 +22,7 @@ from tests.conftest import make_bed
 from tests.test_deployments import api, deployments_by_name
 from tests.testbed.bed import SERVED_NAME, TestBed
 from tests.testbed.procs import spawn, stop, wait_until
-from vllm_redeploy.events import reboot_event
+from vllm_redeploy.events import cluster_rebooted_event
 from vllm_redeploy.probe import run_probe
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
@@ -194,12 +194,13 @@ def test_paused_nothing_happens_and_resume_brings_it_back(controller: Controller
     said = controller.cli("pause", "--reason", "changing the fabric cables")
     assert "paused by " in said and "changing the fabric cables" in said
     controller.container(0, "engine").kill()
-    node = controller.bed.nodes[1]
+    # What the webhook emits once the nodes reported their new boots (deployments/reboot_rounds)
+    boots = {node.name: str(uuid.uuid4()) for node in controller.bed.nodes}
     api(
         controller.api,
         "POST",
         "/events",
-        [reboot_event(controller.cluster, node.name, str(uuid.uuid4()), 5.0)],
+        [cluster_rebooted_event(controller.cluster, boots, [], 1.0)],
     )
     reboot_runs = wait_for(
         lambda: ended(controller.runs("after-reboot")),
