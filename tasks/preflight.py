@@ -27,6 +27,7 @@ from vllm_redeploy.launch import (
 from vllm_redeploy.nodes import (
     AuthenticationFailed,
     CommandResult,
+    CommandTimedOut,
     HostKeyRejected,
     NodeUnreachable,
 )
@@ -62,23 +63,29 @@ class NodeFacts:
 
 
 def wait_reachable(run: Run, name: str) -> float:
-    """Wait until the node answers over SSH, up to the configured window; seconds waited."""
+    """Wait until the node answers over SSH, up to the configured window; seconds waited. A
+    connection that opens but does not answer in time (a node still booting, or swamped) is
+    waited for like one that does not open."""
     window = run.config.deadlines.nodes_reachable_s
+    timeout = run.config.ssh.connect_timeout_s
     started = time.monotonic()
     while True:
         try:
-            run.node(name).runner.check_connection(timeout=run.config.ssh.connect_timeout_s)
+            run.node(name).runner.check_connection(timeout=timeout)
             return time.monotonic() - started
         except (HostKeyRejected, AuthenticationFailed) as exc:
             raise StepFailed(STEP, str(exc)) from None  # waiting will not fix trust or keys
-        except NodeUnreachable as exc:
+        except (NodeUnreachable, CommandTimedOut) as exc:
             waited = time.monotonic() - started
+            if isinstance(exc, NodeUnreachable):
+                reason, hint = exc.reason, f". {exc.hint}" if exc.hint else ""
+            else:
+                reason, hint = f"`true` got no answer within {timeout:g} s", ""
             if waited >= window:
-                hint = f". {exc.hint}" if exc.hint else ""
                 raise StepFailed(
-                    STEP, f"node {name} did not come back within {window:g} s: {exc.reason}{hint}"
+                    STEP, f"node {name} did not come back within {window:g} s: {reason}{hint}"
                 ) from None
-            log().info("waiting for %s (%s), %.0f s of %g s", name, exc.reason, waited, window)
+            log().info("waiting for %s (%s), %.0f s of %g s", name, reason, waited, window)
             run.node(name).runner.close()
             time.sleep(REACH_POLL_S)
 
