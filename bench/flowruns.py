@@ -26,6 +26,7 @@ class TaskSpan:
     start: float
     end: float
     state: str
+    state_name: str = ""  # "Cached" for a task run whose result came from its cache
 
     @property
     def step(self) -> str:
@@ -95,7 +96,11 @@ def read_flow_run(url: str, flow_run_id: str, settle_s: float = 1.5) -> FlowRunR
     run = flow_run(url, flow_run_id)
     spans = [
         TaskSpan(
-            r["name"], stamp(r["start_time"]) or 0.0, stamp(r["end_time"]) or 0.0, r["state_type"]
+            r["name"],
+            stamp(r["start_time"]) or 0.0,
+            stamp(r["end_time"]) or 0.0,
+            r["state_type"],
+            r.get("state_name") or "",
         )
         for r in runs
         if r["start_time"]
