@@ -201,7 +201,7 @@ class NodeDocker:
             "list containers", lambda: self._client.containers.list(all=True, filters=filters)
         )
         if name_patterns:
-            found = [c for c in found if any(fnmatch.fnmatchcase(c.name, p) for p in name_patterns)]
+            found = _named(found, name_patterns)
         return [_info(c) for c in found]
 
     def list_matching_and_labelled(
@@ -210,7 +210,7 @@ class NodeDocker:
         """(containers whose name matches a pattern, containers carrying all ``labels``), from
         one listing of the node's containers instead of two calls."""
         found = self._call("list containers", lambda: self._client.containers.list(all=True))
-        named = [c for c in found if any(fnmatch.fnmatchcase(c.name, p) for p in name_patterns)]
+        named = _named(found, name_patterns)
         wanted = set(labels.items())
         labelled = [c for c in found if wanted <= set((c.labels or {}).items())]
         return [_info(c) for c in named], [_info(c) for c in labelled]
@@ -374,6 +374,11 @@ class ContainerExecRunner(Runner):
 def _ignore_missing(fn: Callable[[], object]) -> None:
     with contextlib.suppress(docker.errors.NotFound):
         fn()
+
+
+def _named(containers: list[Any], patterns: Sequence[str]) -> list[Any]:
+    """The containers whose name matches one of the glob patterns."""
+    return [c for c in containers if any(fnmatch.fnmatchcase(c.name, p) for p in patterns)]
 
 
 def _info(container: Container) -> ContainerInfo:
