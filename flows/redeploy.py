@@ -4,7 +4,8 @@ First: change nothing when the cluster is paused or crash-looping (see tasks/gua
 recovery waits its backoff. Then, for the whole run, hold the cluster, so no other run of it
 (nightly, after-reboot, recover, manual) touches its nodes meanwhile.
 0. Preflight: every node reachable (late ones waited for), Docker, image, model, fabric IP and
-   fabric (interfaces, RDMA HCAs); pick the launch backend from what the image holds. Then
+   fabric (interfaces, RDMA HCAs). A node that lacks the source node's image or model files
+   gets them (sync). Pick the launch backend from what the image holds. Then
    every node reaches every other over the fabric on a port vLLM's ranks would use (a firewall
    that opens only the named ports is named here, not as a silent hang at the start).
 1. Stop what auto-starts at boot (units, containers) and our own earlier containers.
@@ -45,12 +46,13 @@ from tasks.inspect_deployment import inspect_deployment
 from tasks.launch import launch_phase
 from tasks.memory import make_memory_free
 from tasks.ports_free import wait_ports_free
-from tasks.preflight import judge_preflight, preflight_node
+from tasks.preflight import NodeFacts, judge_preflight, preflight_node, preflight_problems
 from tasks.probe import probe_model
 from tasks.standing.lock import cluster_lock
 from tasks.standing.marks import clear_crashloop
 from tasks.standing.recoveries import SKIPPED, UNCHANGED
 from tasks.stop_autostart import stop_autostart
+from tasks.sync import sync_node
 from tasks.teardown import teardown_group
 from tasks.transport import half_bandwidth, prove_transport
 from tasks.wait_ready import wait_until_ready
@@ -62,6 +64,7 @@ from vllm_redeploy.names import artifact_key
 from vllm_redeploy.nodes import RemoteError
 from vllm_redeploy.safe_text import one_line, shown
 from vllm_redeploy.summary import RunSummary, StepEvent, render_markdown, report
+from vllm_redeploy.sync import NO_MODEL, Copied, Holdings, plan_sync
 
 Mode = Literal["redeploy", "ensure"]
 
@@ -179,6 +182,7 @@ def _runbook(run: Run, mode: Mode, step: Steps) -> dict[str, Any]:
             return _finish(summary)
         summary.notes.append(f"redeploying: {health.reason}")
     facts = step("preflight", per_node, preflight_node, run, nodes)
+    facts = _sync(run, step, facts)
     summary.image_id = next((f.image_id for f in facts if f.image_id), None)
     plan = judge_preflight(run, facts)
     summary.backend = plan.reason
@@ -206,6 +210,37 @@ def _runbook(run: Run, mode: Mode, step: Steps) -> dict[str, Any]:
         summary.notes += half_bandwidth(plan, summary.transport)
     summary.probe = step("probe", probe_model, run)
     return _finish(summary)
+
+
+def _sync(run: Run, step: Steps, facts: list[NodeFacts]) -> list[NodeFacts]:
+    """Copy the source's image and model to the nodes that lack them (``[sync]``); those nodes'
+    preflight is asked again, so that what is judged next is what they hold now."""
+    config, summary = run.config, step.summary
+    plan = plan_sync(config, [Holdings(f.node, f.image_id, f.model or NO_MODEL) for f in facts])
+    if not plan.needs:
+        return facts
+    problems = preflight_problems(run, facts, {need.target for need in plan.needs})
+    if problems:  # nothing is copied to a cluster that would fail for another reason
+        raise StepFailed("preflight", "; ".join(problems))
+    summary.notes += list(plan.problems)
+    image_id = next(f.image_id for f in facts if f.node == plan.source)
+
+    def copy_all() -> list[Copied]:
+        futures = [sync_node.submit(run, need.target, need, image_id) for need in plan.needs]
+        wait(futures)
+        return [copied for f in futures for copied in f.result()]
+
+    summary.synced = step("sync", copy_all)
+    summary.notes += [
+        f"{need.target}: its earlier build of {config.vllm.image} ({need.old_image_id[:19]}) "
+        "stays on the node, untagged (`docker image rm` it when no longer needed)"
+        for need in plan.needs
+        if need.old_image_id
+    ]
+    asked = {need.target for need in plan.needs}
+    again = per_node(preflight_node.with_options(refresh_cache=True), run, sorted(asked))
+    fresh = {f.node: f for f in again}
+    return [fresh.get(f.node, f) for f in facts]
 
 
 def _explain(exc: Exception, current: str) -> tuple[str, str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextvars
 import time
+from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -26,13 +27,13 @@ from vllm_redeploy.launch import (
 )
 from vllm_redeploy.nodes import (
     AuthenticationFailed,
-    CommandResult,
     CommandTimedOut,
     HostKeyRejected,
     NodeUnreachable,
 )
 from vllm_redeploy.parsers.fabric import FABRIC_ARGV, FabricFacts, parse_fabric
 from vllm_redeploy.safe_text import one_line
+from vllm_redeploy.sync import Manifest, manifest_argv, parse_manifest
 
 STEP = "preflight"
 REACH_POLL_S = 2.0
@@ -52,6 +53,7 @@ class NodeFacts:
     weights_bytes: int | None = None  # the model directory's safetensors, in all
     entrypoint: ImageEntrypoint | None = None  # the image's (read on the head only)
     image_user: str | None = None  # the image's USER, "" for root (read on the head only)
+    model: Manifest | None = None  # the model directory's files (size, mtime)
 
     @property
     def notes(self) -> list[str]:
@@ -116,7 +118,7 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
             ["test", "-d", config.vllm.model],
             ["ip", "route", "get", ip],
             list(FABRIC_ARGV),
-            _weights_argv(config.vllm.model),
+            manifest_argv(config.vllm.model),
         ],
         timeout=60,
     )
@@ -129,7 +131,7 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
         # In this task run's context, so that image-facts runs as its child (and its cache).
         image = background.submit(contextvars.copy_context().run, image_facts, run, name, image_id)
     background.shutdown(wait=False)
-    model, route, fabric_out, weights = asked.result()
+    model, route, fabric_out, files = asked.result()
     # "Network is unreachable" (exit 2) is an answer: no address of the node is on that net.
     # A missing or broken `ip` is none: say so, never guess.
     if route.exit_code in (126, 127):
@@ -142,6 +144,7 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
         )
     local = route.stdout.startswith("local ")
     fabric = parse_fabric(fabric_out.stdout, ip)
+    manifest = parse_manifest(files.stdout, files.exit_code or 0)
     facts = image.result() if image else None
     asked = facts is not None and asks_the_image(config)
     return NodeFacts(
@@ -154,35 +157,28 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
         local,
         asked,
         fabric,
-        _weights_bytes(weights) if model.ok else None,
+        manifest.weights_bytes if model.ok else None,
         facts.entrypoint if facts else None,
         facts.user if facts else None,
+        manifest,
     )
 
 
-def _weights_argv(model: str) -> list[str]:
-    """The size of each of the model's safetensors files (the weights every node loads a share
-    of), one per line."""
-    return ["find", model, "-maxdepth", "2", "-name", "*.safetensors", "-printf", "%s\\n"]
-
-
-def _weights_bytes(found: CommandResult) -> int | None:
-    sizes = [int(line) for line in found.stdout.split() if line.isdigit()]
-    return sum(sizes) if found.ok and sizes else None
-
-
-def judge_preflight(run: Run, facts: list[NodeFacts]) -> LaunchPlan:
-    """Fail naming every node that is not ready to take the deployment; else the launch plan,
-    with the backend chosen from what the image holds (``[vllm] backend``)."""
+def preflight_problems(
+    run: Run, facts: list[NodeFacts], syncing: AbstractSet[str] = frozenset()
+) -> list[str]:
+    """Why nodes are not ready to take the deployment. For the nodes in ``syncing`` (about to get
+    the source's image and model), what the copy fixes is not counted."""
     config = run.config
     problems = []
     for f in facts:
-        if f.image_id is None:
+        copied = f.node in syncing
+        if f.image_id is None and not copied:
             problems.append(
-                f"{f.node}: image {config.vllm.image} is not on the node "
-                "(docker pull it there, or docker save | docker load from another node)"
+                f"{f.node}: image {config.vllm.image} is not on the node (docker pull it there, "
+                'docker save | docker load from another node, or set [sync] image = "auto")'
             )
-        elif f.ray_checked and (refused := refusal(config, f.ray_path)):
+        elif f.ray_checked and not copied and (refused := refusal(config, f.ray_path)):
             problems.append(f"{f.node}: {refused}")
         if f.fabric is not None and not f.fabric.rdma_checked:
             problems.append(f"{f.node}: {'; '.join(f.fabric.problems())}")
@@ -192,15 +188,23 @@ def judge_preflight(run: Run, facts: list[NodeFacts]) -> LaunchPlan:
                 f"{f.node}: the fabric IP {ip} is not assigned on the node (addresses set by "
                 "hand are lost at reboot): add it again, or fix the node's fabric_ip"
             )
-        if not f.model_present:
+        if not f.model_present and not copied:
             problems.append(f"{f.node}: the model directory {config.vllm.model} does not exist")
-    ids = {f.image_id for f in facts if f.image_id}
+    ids = {f.image_id for f in facts if f.image_id and f.node not in syncing}
     if len(ids) > 1:
         listing = ", ".join(f"{f.node} {str(f.image_id)[:19]}" for f in facts)
         problems.append(
             f"image {config.vllm.image} differs between nodes ({listing}); every node must run "
             "the same build"
         )
+    return problems
+
+
+def judge_preflight(run: Run, facts: list[NodeFacts]) -> LaunchPlan:
+    """Fail naming every node that is not ready to take the deployment; else the launch plan,
+    with the backend chosen from what the image holds (``[vllm] backend``)."""
+    config = run.config
+    problems = preflight_problems(run, facts)
     if problems:
         raise StepFailed(STEP, "; ".join(problems))
     log().info("preflight ok: %s", ", ".join(f"{f.node} docker {f.docker_version}" for f in facts))

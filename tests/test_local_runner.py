@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -111,3 +112,21 @@ def test_checked_runs_a_failed_command_again_for_its_words(local: LocalRunner) -
     with pytest.raises(CommandFailed) as caught:
         local.checked(failed)
     assert caught.value.result.exit_code == 4 and "why-it-failed" in str(caught.value)
+
+
+def test_a_started_command_streams_both_ways(local: LocalRunner) -> None:
+    proc = local.start(["sh", "-c", "cat; echo done >&2"], stall_s=5)
+    writer = threading.Thread(target=lambda: (proc.write(b"x" * 300_000), proc.close_stdin()))
+    writer.start()  # more than a pipe holds: it flows while it is read
+    received = bytearray()
+    while chunk := proc.read(65536):
+        received += chunk
+    assert (len(received), proc.wait(5), proc.stderr_text()) == (300_000, 0, "done\n")
+
+
+def test_a_started_command_that_stalls_raises(local: LocalRunner) -> None:
+    proc = local.start(["sleep", "30"], stall_s=0.3)
+    with pytest.raises(TimeoutError):
+        proc.read(10)
+    proc.kill()
+    assert proc.wait(5) is not None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import threading
 import time
 from pathlib import Path
 
@@ -188,3 +189,23 @@ def test_a_key_passphrase_never_shows_in_a_targets_repr() -> None:
     target = SSHTarget(host="10.0.0.1", port=22, user="root", key_passphrase="s3cret-passphrase")
     assert "s3cret-passphrase" not in repr(target)
     assert target.key_passphrase == "s3cret-passphrase"
+
+
+@pytest.mark.parametrize("client", ["openssh", "paramiko"])
+def test_a_started_command_streams_both_ways_over_ssh(
+    target: SSHTarget, client: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bulk streams go through this machine's `ssh` when it logs in with no prompt, else over
+    paramiko (here: no `ssh` on PATH)."""
+    if client == "paramiko":
+        monkeypatch.setenv("PATH", str(tmp_path))
+    ssh_runner = SSHRunner("node-a", target)
+    proc = ssh_runner.start(["sh", "-c", "cat; echo done >&2; exit 3"], stall_s=5)
+    writer = threading.Thread(target=lambda: (proc.write(b"y" * 3_000_000), proc.close_stdin()))
+    writer.start()  # beyond SSH's window: it flows while it is read
+    received = bytearray()
+    while chunk := proc.read(65536):
+        received += chunk
+    assert (len(received), proc.wait(5), proc.stderr_text()) == (3_000_000, 3, "done\n")
+    assert (ssh_runner._openssh() is not None) == (client == "openssh")
+    ssh_runner.close()

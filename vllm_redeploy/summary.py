@@ -24,6 +24,8 @@ from vllm_redeploy.launch.ray import RayMember
 from vllm_redeploy.parsers.vllm_log import LoadProgress
 from vllm_redeploy.probe import ProbeVerdict
 from vllm_redeploy.safe_text import fenced, one_line
+from vllm_redeploy.sync import Copied
+from vllm_redeploy.sync.plan import human_bytes
 from vllm_redeploy.transport import TransportVerdict
 
 PROBE_WORDS = 12
@@ -76,6 +78,7 @@ class RunSummary:
     load_s: float | None = None
     compile_cache: str | None = None  # where the caches live, and warm or cold at this start
     probe: ProbeVerdict | None = None
+    synced: Sequence[Copied] = ()  # what the sync step copied, per target and kind
     failed_step: str | None = None
     failure: str | None = None
 
@@ -102,6 +105,7 @@ def render_markdown(summary: RunSummary) -> str:
     for name, seconds in summary.steps.items():
         mark = " (failed)" if name == summary.failed_step else ""
         lines.append(f"| {name}{mark} | {seconds:g} |")
+    lines += _sync_section(summary.synced)
     lines += _nodes_section(summary)
     lines += _fabric_section(summary.transport)
     lines += _ray_section(summary)
@@ -110,6 +114,19 @@ def render_markdown(summary: RunSummary) -> str:
     if summary.notes:
         lines += ["", "## Notes", "", *(f"- {_cell(note)}" for note in summary.notes)]
     return "\n".join(lines) + "\n"
+
+
+def _sync_section(synced: Sequence[Copied]) -> list[str]:
+    if not synced:
+        return []
+    lines = ["", "## Copied", "", "| node | what | size | seconds | rate | how |"]
+    lines.append("| --- | --- | --- | --- | --- | --- |")
+    for c in synced:
+        lines.append(
+            f"| {c.target} | {c.what} | {human_bytes(c.bytes)} | {c.seconds:.1f} | {c.rate} "
+            f"| {_cell(c.route)} |"
+        )
+    return lines
 
 
 def _nodes_section(summary: RunSummary) -> list[str]:
@@ -268,12 +285,13 @@ def _cell(text: str) -> str:
 
 # --- live progress ---------------------------------------------------------------------------
 
-StepState = Literal["running", "done", "failed", "loading"]
+StepState = Literal["running", "done", "failed", "loading", "copying"]
 
 
 @dataclass(frozen=True)
 class StepEvent:
-    """One change of a step: it started, ended, failed (``detail`` says why), or loading moved."""
+    """One change of a step: it started, ended, failed (``detail`` says why), loading moved, or
+    a copy to a node moved (``detail``: "<node>: ...")."""
 
     step: str
     state: StepState

@@ -5,10 +5,24 @@ deployments and read the cluster's standing from Prefect. Each command module re
 commands on the one Typer app (common.py) when imported.
 """
 
-from deployments.cli import cluster_commands, controller_commands, run_view, status_view
+from deployments.cli import (
+    cluster_commands,
+    controller_commands,
+    run_view,
+    status_view,
+    sync_command,
+)
 from deployments.cli.common import app
 
-__all__ = ["app", "cluster_commands", "controller_commands", "main", "run_view", "status_view"]
+__all__ = [
+    "app",
+    "cluster_commands",
+    "controller_commands",
+    "main",
+    "run_view",
+    "status_view",
+    "sync_command",
+]
 
 
 def main() -> None:

@@ -56,7 +56,18 @@ def check_config(config: ConfigOption = Path("cluster.toml"), as_json: JsonOptio
             str(node.gpus),
         )
     out.print(table)
-    for section in ("vllm", "ray", "autostart", "deadlines", "probe", "webhook", "ssh", "secrets"):
+    sections = (
+        "vllm",
+        "ray",
+        "autostart",
+        "sync",
+        "deadlines",
+        "probe",
+        "webhook",
+        "ssh",
+        "secrets",
+    )
+    for section in sections:
         out.print(f"[bold]\\[{section}][/]")
         for key, value in data[section].items():
             out.print(f"  {key} = {_show(value)}", highlight=False, markup=False, soft_wrap=True)

@@ -190,6 +190,8 @@ class StepView:
                 )
             elif event.state == "loading" and event.load is not None:
                 row.load = event.load
+            elif event.state == "copying":
+                row.copies[event.detail.split(":", 1)[0]] = event.detail
 
     def __rich__(self) -> RenderableType:
         grid = Table.grid(padding=(0, 2))
@@ -210,6 +212,8 @@ class StepView:
                 bar = ProgressBar(total=100, completed=row.load.percent, width=30)
                 shards = f" {row.load.done}/{row.load.total} shards" if row.load.total else ""
                 load = Columns([bar, Text(f"{row.load.percent:3d}%{shards}")])
+            elif row.copies and row.state == "running":
+                load = Text("\n".join(row.copies.values()))
             grid.add_row(glyph, Text(row.step, "bold"), Text(_clock(seconds), "cyan"), load)
         return Group(Text(self.title, "bold"), grid)
 
@@ -221,6 +225,7 @@ class _StepRow:
     state: str = "running"
     seconds: float | None = None
     load: LoadProgress | None = None
+    copies: dict[str, str] = field(default_factory=dict)  # per target node, its copy's progress
     spinner: Spinner = field(default_factory=lambda: Spinner("dots", style="yellow"))
 
 

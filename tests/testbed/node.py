@@ -225,6 +225,22 @@ class EmulatedNode:
             check=False,
         )
 
+    def own_dir(self, path: Path, tmpfs_size: str | None = None) -> Path:
+        """Make ``path`` this node's own until it powers off, as a directory on a disk of its
+        own: a directory under its root (returned: the host's view of it) bind-mounted there in
+        its namespace, or, with ``tmpfs_size``, a small filesystem (a disk nearly full)."""
+        own = self.root / "own" / str(path).strip("/").replace("/", "-")
+        own.mkdir(parents=True, exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True)
+        if tmpfs_size:
+            mount = ["mount", "-t", "tmpfs", "-o", f"size={tmpfs_size}", "tmpfs", str(path)]
+        else:
+            mount = ["mount", "--bind", str(own), str(path)]
+        done = self.run(mount)
+        if done.returncode != 0:
+            raise RuntimeError(f"{self.name}: {' '.join(mount)}: {done.stderr.strip()}")
+        return own
+
     def systemctl(self, *args: str) -> subprocess.CompletedProcess[str]:
         return self.run([str(self.bin_dir / "systemctl"), *args])
 

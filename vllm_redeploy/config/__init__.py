@@ -25,6 +25,7 @@ from vllm_redeploy.config.runs import (
     LockConfig,
     ProbeConfig,
     SecretsConfig,
+    SyncConfig,
     WatchConfig,
     WebhookConfig,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "SSHConfig",
     "Seconds",
     "SecretsConfig",
+    "SyncConfig",
     "VLLMConfig",
     "WatchConfig",
     "WebhookConfig",

@@ -22,6 +22,7 @@ from vllm_redeploy.config.runs import (
     LockConfig,
     ProbeConfig,
     SecretsConfig,
+    SyncConfig,
     WatchConfig,
     WebhookConfig,
 )
@@ -59,6 +60,7 @@ class ClusterConfig(BaseSettings):
     probe: ProbeConfig = Field(default_factory=ProbeConfig)
     webhook: WebhookConfig = Field(default_factory=WebhookConfig)
     secrets: SecretsConfig = Field(default_factory=SecretsConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
 
     @classmethod
     def settings_customise_sources(
@@ -110,9 +112,19 @@ class ClusterConfig(BaseSettings):
             problems.append(
                 f"only the controller's own node can be local; local on {', '.join(locals_)}"
             )
+        if self.sync.source is not None and self.sync.source not in names:
+            problems.append(
+                f"sync.source {self.sync.source!r} is not a node of this cluster; name one of "
+                f"{', '.join(names)} (default: the head)"
+            )
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    @property
+    def sync_source(self) -> NodeConfig:
+        """The node whose image and model the others get (``[sync] source``, default the head)."""
+        return next((n for n in self.nodes if n.name == self.sync.source), self.head)
 
     @property
     def head(self) -> NodeConfig:

@@ -1,17 +1,19 @@
 """How runs behave: ``[autostart]`` (what to stop first), ``[deadlines]``, ``[lock]``,
-``[watch]``, ``[probe]``, ``[webhook]`` and ``[secrets]``.
+``[watch]``, ``[probe]``, ``[webhook]``, ``[secrets]`` and ``[sync]``.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr
 
 from vllm_redeploy.config.fields import (
     HOST_PATTERN,
     ContainerPattern,
+    ModelPath,
+    Name,
     Port,
     Seconds,
     Section,
@@ -147,4 +149,41 @@ class SecretsConfig(Section):
     )
     webhook_secret: SecretStr | None = Field(
         None, description="Shared secret of the reboot webhook."
+    )
+
+
+class SyncConfig(Section):
+    image: Literal["auto", "off"] = Field(
+        "auto",
+        description="auto: a node that lacks the image, or holds another build under its tag, "
+        "gets the source's (docker save | docker load, streamed) before the launch. off: such a "
+        "node fails preflight, as before.",
+    )
+    model: Literal["auto", "off"] = Field(
+        "auto",
+        description="auto: a node that lacks the model directory, or files of it (by size and "
+        "modification time), gets them from the source before the launch; files only the node "
+        "has are kept. off: a node without the model fails preflight.",
+    )
+    source: Name | None = Field(
+        None, description="The node whose image and model are copied; default the head."
+    )
+    direct: Literal["auto", "off"] = Field(
+        "auto",
+        description="auto: copy straight from the source to the target over the fabric when "
+        "the source can SSH to the target's fabric IP without a prompt (its own keys and "
+        "known_hosts); else, and with off, relay through this machine.",
+    )
+    ssh_key_file: ModelPath | None = Field(
+        None,
+        description="direct: the private key the source uses (a path on the source node); "
+        "default its user's keys and agent.",
+    )
+    known_hosts: ModelPath | None = Field(
+        None,
+        description="direct: the known_hosts file the source checks targets against (a path "
+        "on the source node); default its user's. Unknown host keys are never accepted.",
+    )
+    stall_s: Seconds = Field(
+        60, description="A copy that moves no byte for this long fails (a cut link, a hung side)."
     )

@@ -75,8 +75,10 @@ class _RunnerSSHAdapter(SSHHTTPAdapter):
         return super().get_connection(url, proxies)
 
     def close(self) -> None:
-        # The connection belongs to the runner; only drop our pools.
-        self.pools.clear()
+        # The connection belongs to the runner; only drop our pools (closing a channel of a
+        # connection that died raises: nothing is left to close then).
+        with contextlib.suppress(paramiko.SSHException, EOFError, OSError):
+            self.pools.clear()
 
 
 def node_docker_for(runner: Runner, docker_host: str | None = None) -> NodeDocker:
@@ -154,6 +156,17 @@ class NodeDocker:
                 return None
 
         return self._call(f"inspect image {image}", lookup)
+
+    def image_size(self, image: str) -> int:
+        """The image's size unpacked, in bytes (about what `docker save` streams)."""
+        return self._call(
+            f"inspect image {image}",
+            lambda: int(self._client.api.inspect_image(image).get("Size") or 0),
+        )
+
+    def root_dir(self) -> str:
+        """Where the engine keeps images (`docker info`'s DockerRootDir)."""
+        return self._call("info", lambda: str(self._client.info().get("DockerRootDir", "/")))
 
     def image_user(self, image: str) -> str:
         """The image's USER ("" when it runs as root, Docker's default)."""

@@ -59,6 +59,36 @@ class OutputCapture:
 _STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
 
 
+class Process(ABC):
+    """A command started on a node whose stdin and stdout are byte streams, for data too big to
+    hold in memory (an image, a model). Reads and writes raise ``TimeoutError`` when nothing
+    moves for the ``stall_s`` the process was started with."""
+
+    @abstractmethod
+    def read(self, size: int) -> bytes:
+        """Up to ``size`` bytes of stdout; b"" once the command closed it."""
+
+    @abstractmethod
+    def write(self, data: bytes) -> None:
+        """All of ``data`` to the command's stdin."""
+
+    @abstractmethod
+    def close_stdin(self) -> None:
+        """Tell the command its input has ended."""
+
+    @abstractmethod
+    def wait(self, timeout: float) -> int | None:
+        """The exit code, or None when the command still runs after ``timeout`` seconds."""
+
+    @abstractmethod
+    def stderr_text(self) -> str:
+        """What the command wrote to stderr (call after it exited)."""
+
+    @abstractmethod
+    def kill(self) -> None:
+        """Stop the command (and drop its streams); safe to call twice."""
+
+
 class Runner(ABC):
     """Runs argv on one node. Use as a context manager, or call ``close()``."""
 
@@ -155,6 +185,16 @@ class Runner(ABC):
             return result
         return self.run(result.argv, timeout=timeout)
 
+    def start(
+        self, argv: Sequence[str], *, stall_s: float, env: Mapping[str, str] | None = None
+    ) -> Process:
+        """Start argv with streamed stdin and stdout (see ``Process``); the caller waits for it
+        and kills it on failure."""
+        argv = tuple(argv)
+        if not argv or not all(isinstance(a, str) for a in argv):
+            raise TypeError(f"argv must be a non-empty sequence of str, got {argv!r}")
+        return self._start(argv, env=dict(env or {}), stall_s=stall_s)
+
     def check_connection(self, timeout: float = CHECK_TIMEOUT_S) -> float:
         """Run ``true`` on the node; return the round-trip time in seconds."""
         return self.run(["true"], timeout=timeout).duration_s
@@ -175,6 +215,10 @@ class Runner(ABC):
         capture: OutputCapture,
     ) -> tuple[int | None, bool]:
         """Run argv, feeding output to ``capture``; return (exit code, timed out)."""
+
+    def _start(self, argv: tuple[str, ...], *, env: dict[str, str], stall_s: float) -> Process:
+        """Start argv with its stdin and stdout as streams."""
+        raise NotImplementedError(f"{type(self).__name__} cannot stream a command's data")
 
     def close(self) -> None:  # noqa: B027 - transports without a connection have nothing to do
         """Release the connection, if the transport holds one."""

@@ -1,0 +1,267 @@
+"""The same image and model on every node: copies between the bed's nodes, each with its own
+Docker engine and its own disk for the model (a directory of the node mounted in its namespace).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prefect.states import State
+
+from flows.redeploy import redeploy_vllm_cluster
+from tests.conftest import keep_for_notes, make_bed
+from tests.testbed import image
+from tests.testbed.bed import TestBed
+from vllm_redeploy.config import load_config
+from vllm_redeploy.nodes import NodeAccess
+from vllm_redeploy.sync import SyncFailed, copy_image, plan_sync, route_between, survey
+from vllm_redeploy.sync.copy import sync_target
+
+pytestmark = pytest.mark.integration
+CLI = Path(sys.executable).parent / "vllm-redeploy"
+SHARD = 8 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def sync_bed(prefect_api: None) -> Iterator[TestBed]:
+    bed = make_bed(2, "h200", first_ip=125)
+    try:
+        yield bed
+    finally:
+        bed.down()
+
+
+def own_model(bed: TestBed, name: str, shards: int = 3) -> tuple[Path, dict[str, Path]]:
+    """A model directory at the same path on both nodes, on each node's own disk: node-1 holds
+    ``shards`` files of random weights and config.json, node-2 nothing yet. Returns the path
+    and, per node, where its directory's parent is seen from here."""
+    path = bed.root / f"disk-{name}" / "model"
+    own = {n.name: n.own_dir(path.parent) / "model" for n in bed.nodes}
+    own["node-1"].mkdir()
+    (own["node-1"] / "config.json").write_text('{"architectures": ["Qwen3_5MoeForCausalLM"]}\n')
+    for i in range(1, shards + 1):
+        shard = own["node-1"] / f"model-{i:05d}-of-{shards:05d}.safetensors"
+        shard.write_bytes(os.urandom(SHARD))
+    return path, own
+
+
+def config_for(bed: TestBed, name: str, model: Path, image: str = "", **sections: dict) -> Path:
+    vllm = {"model": str(model), "env": {"VRD_LOAD_SECONDS": "1"}}
+    return bed.write_config(
+        bed.root / f"{name}.toml", vllm={**vllm, **({"image": image} if image else {})}, **sections
+    )
+
+
+def fat_image(bed: TestBed, node: str, tag: str, mib: int) -> str:
+    """An image of ``mib`` MiB of random bytes on ``node`` (the bed's own images are a few KB:
+    their runtime is mounted from this machine)."""
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w") as tar:
+        blob = os.urandom(mib * 1024 * 1024)
+        info = tarfile.TarInfo("weights.bin")
+        info.size = len(blob)
+        tar.addfile(info, io.BytesIO(blob))
+    return bed.node(node).engine.import_rootfs(data.getvalue(), tag, None)
+
+
+def same_files(a: Path, b: Path) -> bool:
+    names = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    theirs = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    return names == theirs and all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
+
+
+def image_id(bed: TestBed, node: str, ref: str) -> str | None:
+    with contextlib.closing(bed.node(node).engine.client()) as client:
+        try:
+            return client.images.get(ref).id
+        except Exception:
+            return None
+
+
+def untag(bed: TestBed, node: str, ref: str) -> None:
+    with contextlib.closing(bed.node(node).engine.client()) as client:
+        client.images.remove(ref, force=True, noprune=True)  # a running group keeps it
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(CLI), *args], capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def test_a_run_gives_a_node_the_image_and_model_it_lacks_then_serves(sync_bed: TestBed) -> None:
+    bed = sync_bed
+    model, own = own_model(bed, "run")
+    untag(bed, "node-2", bed.vllm_image)
+    assert image_id(bed, "node-2", bed.vllm_image) is None
+    state: State = redeploy_vllm_cluster(str(config_for(bed, "run", model)), return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    keep_for_notes("sync-run-summary", result["summary"])
+    assert image_id(bed, "node-2", bed.vllm_image) == image_id(bed, "node-1", bed.vllm_image)
+    assert same_files(own["node-1"], own["node-2"])
+    assert "## Copied" in result["summary"]
+    assert "| node-2 | image |" in result["summary"] and "| node-2 | model |" in result["summary"]
+    assert "relayed through this machine" in result["summary"]
+    assert result["probe"]["healthy"]
+    # The next run finds nothing to copy.
+    again = redeploy_vllm_cluster(str(config_for(bed, "run", model)), return_state=True)
+    assert again.is_completed() and "sync" not in again.result()["steps"]
+
+
+def test_another_build_under_the_tag_is_replaced_and_kept_untagged(sync_bed: TestBed) -> None:
+    bed = sync_bed
+    ref = bed.vllm_image
+    other = bed.node("node-2").engine.import_rootfs(image.busybox_rootfs(), ref, None)
+    model, own = own_model(bed, "build", shards=1)
+    (own["node-2"]).mkdir()
+    for f in own["node-1"].iterdir():  # the model is there already: only the image differs
+        target = own["node-2"] / f.name
+        target.write_bytes(f.read_bytes())
+        os.utime(target, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns))
+    path = config_for(bed, "build", model)
+    plan = cli("sync", "--dry-run", "-c", str(path))
+    assert plan.returncode == 0, plan.stderr
+    assert "another build" in plan.stdout and "dry run: nothing was copied" in plan.stdout
+    assert image_id(bed, "node-2", ref) == other  # the dry run changed nothing
+    done = cli("sync", "--image", "-c", str(path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    keep_for_notes("sync-cli-image", done.stdout)
+    assert image_id(bed, "node-2", ref) == image_id(bed, "node-1", ref)
+    assert image_id(bed, "node-2", other) == other  # the earlier build is still there
+    assert "model:" not in done.stdout  # the model was the same: only the image went
+
+
+def test_a_cut_copy_fails_keeps_what_the_node_had_and_the_next_one_resumes(
+    sync_bed: TestBed,
+) -> None:
+    bed = sync_bed
+    model, own = own_model(bed, "cut")
+    own["node-2"].mkdir()
+    older = own["node-2"] / "model-00002-of-00003.safetensors"
+    older.write_bytes(b"an earlier download")
+    (own["node-2"] / "mine.txt").write_text("only node-2 has this\n")
+    config = load_config(config_for(bed, "cut", model), env_file=None)
+    node2 = bed.node("node-2")
+
+    def cut(moved: int) -> None:
+        if moved > SHARD * 1.5 and node2.spec.sshd_pid:
+            node2.stop_sshd()
+
+    try:
+        with (
+            NodeAccess(config.nodes[0], config) as source,
+            NodeAccess(config.nodes[1], config) as target,
+        ):
+            plan = plan_sync(config, [survey(source, config), survey(target, config)])
+            (need,) = plan.needs
+            route = route_between(source, target, config)
+            assert not route.direct
+            with pytest.raises(SyncFailed) as caught:
+                sync_target(source, target, config, need, None, route, cut)
+    finally:
+        if not node2.spec.sshd_pid:
+            node2.start_sshd()
+    keep_for_notes("sync-cut", str(caught.value))
+    assert "broke off after" in str(caught.value)
+    assert older.read_bytes() == b"an earlier download"  # not replaced by half a file
+    assert (own["node-2"] / "mine.txt").exists()
+    with (
+        NodeAccess(config.nodes[0], config) as source,
+        NodeAccess(config.nodes[1], config) as target,
+    ):
+        plan = plan_sync(config, [survey(source, config), survey(target, config)])
+        (need,) = plan.needs
+        assert "model-00001-of-00003.safetensors" in need.staged  # received whole before the cut
+        assert "model-00001-of-00003.safetensors" not in {f.path for f in need.files}
+        copied = sync_target(source, target, config, need, None, route, lambda _: None)
+    assert copied[0].bytes < 2.5 * SHARD  # the first shard was not sent again
+    assert (own["node-2"] / "mine.txt").read_text() == "only node-2 has this\n"
+    (own["node-2"] / "mine.txt").unlink()
+    assert same_files(own["node-1"], own["node-2"])  # and nothing of the stage is left
+
+
+def test_a_cut_image_copy_leaves_the_tag_as_it_was(sync_bed: TestBed) -> None:
+    bed = sync_bed
+    ref = "vrd-bed/fat:1"
+    fat_image(bed, "node-1", ref, 32)
+    before = fat_image(bed, "node-2", ref, 1)  # another build under the tag
+    model, _ = own_model(bed, "cut-image", shards=1)
+    config = load_config(config_for(bed, "cut-image", model, image=ref), env_file=None)
+    node2 = bed.node("node-2")
+    source_id = image_id(bed, "node-1", ref)
+    assert source_id is not None
+
+    def cut(moved: int) -> None:
+        if moved > 4 * 1024 * 1024 and node2.spec.sshd_pid:
+            node2.stop_sshd()
+
+    try:
+        with (
+            NodeAccess(config.nodes[0], config) as source,
+            NodeAccess(config.nodes[1], config) as target,
+        ):
+            route = route_between(source, target, config)
+            with pytest.raises(SyncFailed, match="broke off after"):
+                copy_image(source, target, config, source_id, route, cut)
+    finally:
+        if not node2.spec.sshd_pid:
+            node2.start_sshd()
+    assert image_id(bed, "node-2", ref) == before  # never a half-loaded image under the tag
+
+
+def test_a_disk_too_small_is_refused_before_the_first_byte(sync_bed: TestBed) -> None:
+    bed = sync_bed
+    model, _ = own_model(bed, "small")
+    bed.node("node-2").own_dir(model.parent, tmpfs_size="1m")
+    path = config_for(bed, "small", model)
+    done = cli("sync", "--model", "-c", str(path))
+    keep_for_notes("sync-disk-full", done.stdout + done.stderr)
+    assert done.returncode == 1
+    assert "node-2 has 1.0 MB free" in done.stderr and "need 25.2 MB" in done.stderr
+    listed = bed.node("node-2").run(["find", str(model.parent), "-mindepth", "1"])
+    assert listed.stdout.strip() == ""  # nothing was copied
+
+
+def test_the_source_copies_straight_to_the_target_when_it_can_ssh_there(sync_bed: TestBed) -> None:
+    bed = sync_bed
+    model, own = own_model(bed, "direct", shards=2)
+    untag(bed, "node-2", bed.vllm_image)
+    direct = {"ssh_key_file": str(bed.client_key), "known_hosts": str(bed.known_hosts)}
+    path = config_for(bed, "direct", model, sync=direct)
+    done = cli("sync", "-c", str(path))
+    keep_for_notes("sync-cli-direct", done.stdout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "direct from node-1 over the fabric" in done.stdout
+    assert image_id(bed, "node-2", bed.vllm_image) == image_id(bed, "node-1", bed.vllm_image)
+    assert same_files(own["node-1"], own["node-2"])
+
+
+def test_verify_finds_a_file_that_only_looks_the_same(sync_bed: TestBed) -> None:
+    bed = sync_bed
+    model, own = own_model(bed, "verify", shards=2)
+    shutil.copytree(own["node-1"], own["node-2"])  # copy2: same sizes and times
+    shard = own["node-2"] / "model-00002-of-00002.safetensors"
+    stat = shard.stat()
+    with shard.open("r+b") as f:  # one flipped byte: size and time say nothing
+        f.seek(4096)
+        byte = f.read(1)
+        f.seek(4096)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    path = config_for(bed, "verify", model)
+    quick = cli("sync", "--model", "-c", str(path))
+    assert quick.returncode == 0 and "nothing to copy" in quick.stdout
+    checked = cli("sync", "--model", "--verify", "-c", str(path))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "model: 1 file(s), 8.4 MB (1 content differs)" in checked.stdout
+    assert same_files(own["node-1"], own["node-2"])

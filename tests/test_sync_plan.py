@@ -1,0 +1,131 @@
+"""What the sync step copies, judged from what each node holds (no node needed)."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from tests.testbed.bed import to_toml
+from vllm_redeploy.config import ClusterConfig, ConfigError, load_config
+from vllm_redeploy.sync import FileEntry, Holdings, Manifest, parse_manifest, plan_sync
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "cluster.example.toml"
+ID_A = "sha256:" + "a" * 64
+ID_B = "sha256:" + "b" * 64
+
+
+def config(tmp_path: Path, **sync: str) -> ClusterConfig:
+    data = tomllib.loads(EXAMPLE.read_text())
+    data["sync"] = {**data.get("sync", {}), **sync}
+    path = tmp_path / "cluster.toml"
+    path.write_text(to_toml(data))
+    return load_config(path, env_file=None)
+
+
+def manifest(**files: tuple[int, int]) -> Manifest:
+    entries = {
+        name.replace("__", "/"): FileEntry(name.replace("__", "/"), *v) for name, v in files.items()
+    }
+    return Manifest(bool(entries), entries, {})
+
+
+def test_find_output_becomes_files_and_what_a_cut_copy_left() -> None:
+    out = (
+        "config.json\t120\t1700000000.5\n"
+        "model-00001-of-00002.safetensors\t4000\t1700000001.0000000000\n"
+        "sub/model-00002-of-00002.safetensors\t5000\t1700000002.9\n"
+        ".vllm-redeploy-incoming/model-00003.safetensors\t7\t1700000003.0\n"
+        "deep/er/x.safetensors\t99\t1.0\n"
+    )
+    found = parse_manifest(out, 0)
+    assert set(found.files) == {
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "sub/model-00002-of-00002.safetensors",
+        "deep/er/x.safetensors",
+    }
+    assert found.files["config.json"] == FileEntry("config.json", 120, 1700000000)
+    assert found.staged == {
+        "model-00003.safetensors": FileEntry("model-00003.safetensors", 7, 1700000003)
+    }
+    assert found.weights_bytes == 9000  # the top level and one below, as vLLM loads them
+    absent = parse_manifest("", 1)
+    assert not absent.present and absent.weights_bytes is None
+
+
+def test_a_node_gets_what_it_lacks_or_holds_otherwise_and_keeps_the_rest(tmp_path: Path) -> None:
+    cluster = config(tmp_path)
+    source = cluster.sync_source.name
+    worker = cluster.workers[0].name
+    held = [
+        Holdings(source, ID_A, manifest(a=(10, 1), b=(20, 2), c=(30, 3), d=(40, 4))),
+        Holdings(worker, ID_B, manifest(a=(10, 1), b=(21, 2), c=(30, 9), only_mine=(5, 5))),
+    ]
+    plan = plan_sync(cluster, held)
+    (need,) = plan.needs
+    assert need.target == worker
+    assert need.image.startswith("another build") and need.old_image_id == ID_B
+    assert sorted(f.path for f in need.files) == ["b", "c", "d"]
+    assert need.reasons == {"size differs": 1, "modified at another time": 1, "missing": 1}
+    assert need.model_bytes == 20 + 30 + 40
+    assert not plan.problems
+
+
+def test_files_a_cut_copy_received_whole_are_not_sent_again(tmp_path: Path) -> None:
+    cluster = config(tmp_path)
+    staged = Manifest(True, {}, {"a": FileEntry("a", 10, 1), "b": FileEntry("b", 3, 99)})
+    held = [
+        Holdings(cluster.sync_source.name, ID_A, manifest(a=(10, 1), b=(20, 2))),
+        Holdings(cluster.workers[0].name, ID_A, staged),
+    ]
+    (need,) = plan_sync(cluster, held).needs
+    assert need.staged == ("a",)  # whole: only renamed into place
+    assert [f.path for f in need.files] == ["b"]  # cut halfway: sent again
+    assert not need.image
+
+
+def test_nothing_to_do_when_every_node_holds_the_same(tmp_path: Path) -> None:
+    cluster = config(tmp_path)
+    same = manifest(a=(10, 1))
+    held = [Holdings(n.name, ID_A, same) for n in cluster.nodes]
+    assert plan_sync(cluster, held).needs == ()
+
+
+def test_checksums_name_files_that_only_look_the_same(tmp_path: Path) -> None:
+    cluster = config(tmp_path)
+    worker = cluster.workers[0].name
+    same = manifest(a=(10, 1), b=(20, 2))
+    held = [Holdings(n.name, ID_A, same) for n in cluster.nodes]
+    (need,) = plan_sync(cluster, held, {worker: {"b"}}).needs
+    assert [f.path for f in need.files] == ["b"] and need.reasons == {"content differs": 1}
+
+
+def test_off_leaves_each_kind_alone(tmp_path: Path) -> None:
+    cluster = config(tmp_path, image="off", model="off")
+    held = [
+        Holdings(cluster.sync_source.name, ID_A, manifest(a=(10, 1))),
+        Holdings(cluster.workers[0].name, None, manifest()),
+    ]
+    assert plan_sync(cluster, held).needs == ()
+
+
+def test_a_source_without_the_image_or_model_is_named(tmp_path: Path) -> None:
+    cluster = config(tmp_path)
+    held = [
+        Holdings(cluster.sync_source.name, None, manifest()),
+        Holdings(cluster.workers[0].name, ID_A, manifest(a=(1, 1))),
+    ]
+    plan = plan_sync(cluster, held)
+    assert plan.needs == ()
+    assert any("lacks the image" in p for p in plan.problems)
+    assert any("has no file under" in p for p in plan.problems)
+
+
+def test_the_source_must_be_a_node(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        config(tmp_path, source="nowhere")
+    assert any("sync.source 'nowhere' is not a node" in p for p in caught.value.problems)
+    worker = config(tmp_path, source="spark-b")
+    assert worker.sync_source.name == "spark-b"

@@ -1,0 +1,375 @@
+"""The copies: an image (``docker save`` on the source, ``docker load`` on the target) and model
+files (a tar stream, received beside the model and renamed into place), streamed either straight
+between the nodes over the fabric (``ssh`` on the source) or relayed through this machine.
+
+Nothing is deleted on a target: files only it holds stay, a replaced image keeps its layers
+(untagged), and ``docker load`` tags only what it received whole.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from vllm_redeploy.config import ClusterConfig
+from vllm_redeploy.nodes import CommandTimedOut, NodeAccess, RemoteError
+from vllm_redeploy.nodes.runner import Process
+from vllm_redeploy.safe_text import one_line
+from vllm_redeploy.sync.manifest import STAGE, FileEntry
+from vllm_redeploy.sync.plan import SyncNeed, human_bytes
+
+Progress = Callable[[int], None]  # bytes moved so far
+CHUNK = 1 << 20
+DIRECT_CHECK_S = 10.0
+# Received files go under STAGE; each is renamed into the model directory once the stream
+# ended whole. Names come on stdin, one per line (the manifest is line-based: none has a newline).
+RECEIVE = 'mkdir -p -- "$2" && exec tar -C "$2" -xf -'
+PROMOTE = """cd -- "$2" || exit 1
+while IFS= read -r f; do
+  mkdir -p -- "$(dirname -- "$1/$f")" && mv -f -- "$f" "$1/$f" || exit 1
+done
+cd / && find "$2" -depth -type d -empty -delete
+"""
+SEND = ["tar", "--null", "--verbatim-files-from", "-T", "-", "-cf", "-"]
+COPY_TIMEOUT_S = 7 * 24 * 3600.0  # a stalled copy is caught by ssh's keepalive, not by this
+MOVED = "@@moved"
+MOVED_LINE = re.compile(rf"^{MOVED} (\d+)$")
+
+
+class SyncFailed(RemoteError):
+    """A copy to a node did not complete; the message says why and what is left as it was."""
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (SyncFailed, (self.node, self.message))
+
+
+@dataclass(frozen=True)
+class Route:
+    """How the bytes travel from the source to one target."""
+
+    direct: bool
+    why: str
+
+    def __str__(self) -> str:
+        return self.why
+
+
+@dataclass(frozen=True)
+class Copied:
+    target: str
+    what: str  # "image" or "model"
+    bytes: int
+    seconds: float
+    route: str
+
+    @property
+    def rate(self) -> str:
+        return f"{human_bytes(self.bytes / max(self.seconds, 1e-3))}/s"
+
+
+def route_between(source: NodeAccess, target: NodeAccess, config: ClusterConfig) -> Route:
+    """Straight over the fabric when the source's own ssh reaches the target's fabric IP with no
+    prompt (keys and host key already trusted there); else through this machine."""
+    if config.sync.direct == "off":
+        return Route(False, "relayed through this machine (sync.direct = off)")
+    node = target.config
+    destination = _destination(config, target)
+    argv = [*_ssh_argv(config, node.ssh_port), destination, "true"]
+    try:
+        found = source.runner.run(argv, check=False, timeout=DIRECT_CHECK_S)
+    except CommandTimedOut:
+        return Route(
+            False,
+            f"relayed through this machine ({source.name} got no SSH answer "
+            f"from {node.ip} within {DIRECT_CHECK_S:g} s)",
+        )
+    if found.ok:
+        return Route(True, f"direct from {source.name} over the fabric ({node.ip})")
+    words = one_line(found.stderr.strip().splitlines()[-1] if found.stderr.strip() else "")
+    return Route(
+        False,
+        f"relayed through this machine ({source.name} cannot SSH to {node.ip} without a prompt"
+        f"{': ' + words if words else ''})",
+    )
+
+
+def _destination(config: ClusterConfig, target: NodeAccess) -> str:
+    """Where the source's ssh logs in: the target's login user at its fabric IP."""
+    user = target.config.ssh_user or config.ssh.user
+    return f"{user}@{target.config.ip}" if user else target.config.ip
+
+
+def _ssh_argv(config: ClusterConfig, port: int) -> list[str]:
+    argv = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes"]
+    argv += ["-o", f"ConnectTimeout={int(config.ssh.connect_timeout_s)}", "-p", str(port)]
+    argv += ["-o", f"ServerAliveInterval={config.ssh.keepalive_s}", "-o", "ServerAliveCountMax=3"]
+    if config.sync.ssh_key_file:
+        argv += ["-i", config.sync.ssh_key_file]
+    if config.sync.known_hosts:
+        argv += ["-o", f"UserKnownHostsFile={config.sync.known_hosts}"]
+    return argv
+
+
+def disk_room(target: NodeAccess, path: str) -> int | None:
+    """Free bytes on the filesystem that holds ``path`` (or would: its nearest existing parent);
+    None when `df` cannot tell (then the copy itself finds out)."""
+    script = 'p=$1; while [ ! -e "$p" ]; do p=$(dirname -- "$p"); done; df -P -B1 -- "$p"'
+    found = target.runner.run(["sh", "-c", script, "sh", path], check=False)
+    lines = found.stdout.strip().splitlines()
+    fields = lines[-1].split() if found.ok and len(lines) > 1 else []
+    return int(fields[3]) if len(fields) > 3 and fields[3].isdigit() else None
+
+
+def _docker_env(access: NodeAccess) -> dict[str, str]:
+    """The `docker` CLI on a node reaches the engine the configuration names (local nodes)."""
+    host = access.config.docker_host if access.config.transport == "local" else None
+    return {"DOCKER_HOST": host} if host else {}
+
+
+def copy_image(
+    source: NodeAccess,
+    target: NodeAccess,
+    config: ClusterConfig,
+    image_id: str,
+    route: Route,
+    on_bytes: Progress,
+) -> Copied:
+    """The source's image, with its tag, onto the target; its ID there equals ``image_id``."""
+    ref = config.vllm.image
+    started = time.monotonic()
+    if route.direct:
+        send = 'docker save "$1"'
+        script = _pipeline(send, config, target, "docker load")
+        argv = ["bash", "-c", script, "bash", ref]
+        moved = _direct(source, target, argv, None, on_bytes, _docker_env(source))
+        moved = max(moved, source.docker.image_size(image_id))  # the last count is a sample
+    else:
+        moved = _relay(
+            source.runner.start(
+                ["docker", "save", ref], stall_s=config.sync.stall_s, env=_docker_env(source)
+            ),
+            target.runner.start(
+                ["docker", "load"], stall_s=config.sync.stall_s, env=_docker_env(target)
+            ),
+            source.name,
+            target.name,
+            on_bytes,
+        )
+    found = target.docker.image_id(ref)
+    if found != image_id:
+        raise SyncFailed(
+            target.name,
+            f"after the copy, {target.name}'s {ref} is {found or 'absent'}, not the source's "
+            f"{image_id[:19]} (the tag moved on the source meanwhile?): run again",
+        )
+    return Copied(target.name, "image", moved, time.monotonic() - started, route.why)
+
+
+def copy_model(
+    source: NodeAccess,
+    target: NodeAccess,
+    config: ClusterConfig,
+    files: tuple[FileEntry, ...],
+    staged: tuple[str, ...],
+    route: Route,
+    on_bytes: Progress,
+) -> Copied:
+    """``files`` from the source's model directory into the target's, received under STAGE and
+    renamed into place once whole; ``staged`` (received whole by an earlier, cut copy) are only
+    renamed."""
+    model = config.vllm.model
+    stage = f"{model.rstrip('/')}/{STAGE}"
+    names = b"".join(f.path.encode() + b"\0" for f in files)
+    started = time.monotonic()
+    moved = 0
+    if files and route.direct:
+        receive = shlex.join(["sh", "-c", RECEIVE, "sh", model, stage])
+        script = _pipeline(
+            f'cd -- "$1" && {shlex.join(SEND)}', config, target, shlex.quote(receive)
+        )
+        moved = _direct(source, target, ["bash", "-c", script, "bash", model], names, on_bytes)
+        moved = max(moved, sum(f.size for f in files))  # the last count is a sample
+    elif files:
+        sender = source.runner.start(
+            ["sh", "-c", f'cd -- "$1" && exec {shlex.join(SEND)}', "sh", model],
+            stall_s=config.sync.stall_s,
+        )
+        sender.write(names)
+        sender.close_stdin()
+        moved = _relay(
+            sender,
+            target.runner.start(
+                ["sh", "-c", RECEIVE, "sh", model, stage], stall_s=config.sync.stall_s
+            ),
+            source.name,
+            target.name,
+            on_bytes,
+        )
+    done = "".join(f"{path}\n" for path in (*staged, *(f.path for f in files)))
+    promoted = target.runner.run(
+        ["sh", "-c", PROMOTE, "sh", model, stage], stdin=done.encode(), check=False
+    )
+    if not promoted.ok:
+        raise SyncFailed(
+            target.name,
+            f"{target.name} received the model's files under {stage} but could not move them "
+            f"into {model}: {one_line(promoted.stderr or promoted.stdout)}",
+        )
+    return Copied(target.name, "model", moved, time.monotonic() - started, route.why)
+
+
+def _pipeline(send: str, config: ClusterConfig, target: NodeAccess, receive: str) -> str:
+    """The source's bash script: ``send`` | ssh to the target's fabric IP running ``receive``
+    (one quoted word), with the bytes ssh has read so far printed on stderr four times a second
+    (its /proc/PID/io: counting them in the stream would copy every byte once more)."""
+    ssh = shlex.join([*_ssh_argv(config, target.config.ssh_port), _destination(config, target)])
+    return f"""set -o pipefail
+exec 3<&0
+{{ {send}; }} <&3 | {ssh} {receive} &
+job=$!
+while kill -0 "$job" 2>/dev/null; do
+  sed -n 's/^rchar: /{MOVED} /p' "/proc/$job/io" 2>/dev/null >&2
+  sleep 0.25
+done
+wait "$job"
+"""
+
+
+def _direct(
+    source: NodeAccess,
+    target: NodeAccess,
+    argv: list[str],
+    stdin: bytes | None,
+    on_bytes: Progress,
+    env: dict[str, str] | None = None,
+) -> int:
+    """Run the source's pipeline, which reports the bytes as they go."""
+    moved = 0
+    words: list[str] = []
+
+    def line(text: str, stream: str) -> None:
+        nonlocal moved
+        if (counted := MOVED_LINE.match(text)) is not None:
+            moved = int(counted.group(1))
+            on_bytes(moved)
+        elif text.strip():
+            words.append(text.strip())
+
+    found = source.runner.run(
+        argv, check=False, stdin=stdin, env=env, on_line=line, timeout=COPY_TIMEOUT_S
+    )
+    if not found.ok:
+        why = one_line("; ".join(words[-3:]) or f"exit code {found.exit_code}")
+        raise SyncFailed(
+            target.name,
+            f"the copy from {source.name} to {target.name} over the fabric broke off after "
+            f"{human_bytes(moved)}: {why}",
+        )
+    return moved
+
+
+def _relay(
+    sender: Process,
+    receiver: Process,
+    source: str,
+    target: str,
+    on_bytes: Progress,
+) -> int:
+    """Pump the sender's stdout into the receiver's stdin through this machine."""
+    moved = 0
+    try:
+        while chunk := sender.read(CHUNK):
+            receiver.write(chunk)
+            moved += len(chunk)
+            on_bytes(moved)
+        receiver.close_stdin()
+        sent, received = sender.wait(60), receiver.wait(3600)
+    except (TimeoutError, RemoteError, OSError) as exc:
+        sender.kill()
+        receiver.kill()
+        why = (
+            "no byte moved for a while (a cut link or a hung side)"
+            if isinstance(exc, TimeoutError)
+            else one_line(exc)
+        )
+        raise SyncFailed(
+            target,
+            f"the copy from {source} to {target} broke off after {human_bytes(moved)}: {why}",
+        ) from None
+    if sent != 0 or received != 0:
+        side, text = (
+            (source, sender.stderr_text()) if sent != 0 else (target, receiver.stderr_text())
+        )
+        sender.kill()
+        receiver.kill()
+        raise SyncFailed(
+            target,
+            f"the copy from {source} to {target} broke off after {human_bytes(moved)}: "
+            f"{side} said {one_line(text.strip().splitlines()[-1] if text.strip() else 'nothing')}",
+        )
+    return moved
+
+
+def planned_bytes(source: NodeAccess, need: SyncNeed, image_id: str | None) -> int:
+    """What copying ``need`` streams: the image's size unpacked, and the model files'."""
+    image = source.docker.image_size(image_id) if need.image and image_id else 0
+    return image + need.model_bytes
+
+
+def check_room(
+    source: NodeAccess,
+    target: NodeAccess,
+    config: ClusterConfig,
+    need: SyncNeed,
+    image_id: str | None,
+) -> None:
+    """Refuse before the first byte when the target's disk cannot take the copy."""
+    wants = []
+    if need.model_bytes:
+        wants.append((config.vllm.model, need.model_bytes, "the model's files"))
+    if need.image and image_id:
+        size = source.docker.image_size(image_id)
+        wants.append((target.docker.root_dir(), size, f"the image {config.vllm.image}"))
+    for path, size, what in wants:
+        free = disk_room(target, path)
+        if free is not None and size > free:
+            raise SyncFailed(
+                target.name,
+                f"{target.name} has {human_bytes(free)} free on the disk of {path}, but {what} "
+                f"need {human_bytes(size)}: nothing was copied; free space there, or set "
+                '[sync] image or model = "off" and copy by hand',
+            )
+
+
+def sync_target(
+    source: NodeAccess,
+    target: NodeAccess,
+    config: ClusterConfig,
+    need: SyncNeed,
+    image_id: str | None,
+    route: Route,
+    on_bytes: Progress,
+) -> list[Copied]:
+    """Everything ``need`` names, in order: room first, then the image, then the model's files.
+    ``on_bytes`` counts across both."""
+    check_room(source, target, config, need, image_id)
+    copied: list[Copied] = []
+    if need.image and image_id:
+        copied.append(copy_image(source, target, config, image_id, route, on_bytes))
+    if need.model:
+        before = sum(c.bytes for c in copied)
+        copied.append(
+            copy_model(
+                source,
+                target,
+                config,
+                need.files,
+                need.staged,
+                route,
+                lambda moved: on_bytes(before + moved),
+            )
+        )
+    return copied

@@ -1,0 +1,136 @@
+"""What each node lacks of the source's image and model, from what every node holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm_redeploy.config import ClusterConfig
+from vllm_redeploy.nodes import NodeAccess
+from vllm_redeploy.sync.manifest import FileEntry, Manifest, manifest_argv, parse_manifest
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """One node's image ID under the configured tag (None: no such image) and its model files."""
+
+    node: str
+    image_id: str | None
+    model: Manifest
+
+
+@dataclass(frozen=True)
+class SyncNeed:
+    """What one target gets from the source."""
+
+    target: str
+    image: str = ""  # why the image is copied ("" : it is not)
+    old_image_id: str | None = None  # the build the tag named before, kept (untagged)
+    files: tuple[FileEntry, ...] = ()  # the source's files to send
+    staged: tuple[str, ...] = ()  # files a cut copy left complete: put in place, not sent
+    reasons: dict[str, int] = field(default_factory=dict)  # "missing": 3, "size differs": 1
+
+    @property
+    def model_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def model(self) -> bool:
+        return bool(self.files or self.staged)
+
+    def describe(self, image: str) -> str:
+        parts = []
+        if self.image:
+            parts.append(f"image {image} ({self.image})")
+        if self.model:
+            why = ", ".join(f"{n} {r}" for r, n in self.reasons.items())
+            staged = f", {len(self.staged)} already received" if self.staged else ""
+            parts.append(
+                f"model: {len(self.files)} file(s), {human_bytes(self.model_bytes)} ({why}{staged})"
+            )
+        return f"{self.target}: " + "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    source: str
+    needs: tuple[SyncNeed, ...]
+    problems: tuple[str, ...]  # why something that differs cannot be copied
+
+
+def plan_sync(
+    config: ClusterConfig, holdings: list[Holdings], differing: dict[str, set[str]] | None = None
+) -> SyncPlan:
+    """The copies that make every node hold the source's image and model. ``differing``: per
+    node, files whose content differs though size and time agree (``--verify``'s checksums)."""
+    source_name = config.sync_source.name
+    source = next(h for h in holdings if h.node == source_name)
+    image_on = config.sync.image == "auto"
+    model_on = config.sync.model == "auto"
+    problems = []
+    if image_on and source.image_id is None and any(h.image_id for h in holdings):
+        problems.append(
+            f"the source {source_name} lacks the image {config.vllm.image} itself: pull it "
+            "there, or name a node that holds it as sync.source"
+        )
+    if model_on and not source.model.files:
+        problems.append(
+            f"the source {source_name} has no file under {config.vllm.model}: put the model "
+            "there, or name a node that holds it as sync.source"
+        )
+    needs = []
+    for target in holdings:
+        if target.node == source_name:
+            continue
+        image, old = "", None
+        if image_on and source.image_id and target.image_id != source.image_id:
+            if target.image_id is None:
+                image = "missing"
+            else:
+                image, old = f"another build: {target.image_id[:19]}", target.image_id
+        files, staged, reasons = [], [], {}
+        if model_on and source.model.files:
+            suspect = (differing or {}).get(target.node, set())
+            for entry in sorted(source.model.files.values(), key=lambda f: f.path):
+                why = _differs(entry, target.model, suspect)
+                if not why:
+                    continue
+                if entry.same_as(target.model.staged.get(entry.path)):
+                    staged.append(entry.path)
+                    continue
+                files.append(entry)
+                reasons[why] = reasons.get(why, 0) + 1
+        need = SyncNeed(target.node, image, old, tuple(files), tuple(staged), reasons)
+        if need.image or need.model:
+            needs.append(need)
+    return SyncPlan(source_name, tuple(needs), tuple(problems))
+
+
+def _differs(entry: FileEntry, model: Manifest, suspect: set[str]) -> str:
+    held = model.files.get(entry.path)
+    if held is None:
+        return "missing"
+    if held.size != entry.size:
+        return "size differs"
+    if held.mtime != entry.mtime:
+        return "modified at another time"
+    if entry.path in suspect:
+        return "content differs"
+    return ""
+
+
+def survey(access: NodeAccess, config: ClusterConfig) -> Holdings:
+    """Ask one node for its image ID and its model files."""
+    found = access.runner.run(manifest_argv(config.vllm.model), check=False)
+    return Holdings(
+        access.name,
+        access.docker.image_id(config.vllm.image),
+        parse_manifest(found.stdout, found.exit_code or 0),
+    )
+
+
+def human_bytes(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if count < 1000:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    return f"{count:.1f} TB"
