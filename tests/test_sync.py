@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 from prefect.states import State
 
 from flows.redeploy import redeploy_vllm_cluster
@@ -113,6 +115,11 @@ def test_a_run_gives_a_node_the_image_and_model_it_lacks_then_serves(sync_bed: T
     assert "| node-2 | image |" in result["summary"] and "| node-2 | model |" in result["summary"]
     assert "relayed through this machine" in result["summary"]
     assert result["probe"]["healthy"]
+    with get_client(sync_client=True) as client:  # the UI showed the copy as it went
+        flow_run = ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=flow_run))
+    progress = {a.key: a.data for a in found if a.type == "progress"}
+    assert progress["bed-sync-node-2"] == 100.0 and "bed-sync-node-1" not in progress
     # The next run finds nothing to copy.
     again = redeploy_vllm_cluster(str(config_for(bed, "run", model)), return_state=True)
     assert again.is_completed() and "sync" not in again.result()["steps"]
