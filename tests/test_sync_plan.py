@@ -129,3 +129,15 @@ def test_the_source_must_be_a_node(tmp_path: Path) -> None:
     assert any("sync.source 'nowhere' is not a node" in p for p in caught.value.problems)
     worker = config(tmp_path, source="spark-b")
     assert worker.sync_source.name == "spark-b"
+
+
+def test_with_checksums_times_alone_do_not_count(tmp_path: Path) -> None:
+    cluster = config(tmp_path)
+    worker = cluster.workers[0].name
+    held = [
+        Holdings(cluster.sync_source.name, ID_A, manifest(a=(10, 1), b=(20, 2))),
+        Holdings(worker, ID_A, manifest(a=(10, 7), b=(20, 8))),  # downloaded there on its own
+    ]
+    (need,) = plan_sync(cluster, held).needs
+    assert need.reasons == {"modified at another time": 2}
+    assert plan_sync(cluster, held, {worker: set()}).needs == ()  # same content: nothing to copy

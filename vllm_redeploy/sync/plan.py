@@ -60,8 +60,9 @@ class SyncPlan:
 def plan_sync(
     config: ClusterConfig, holdings: list[Holdings], differing: dict[str, set[str]] | None = None
 ) -> SyncPlan:
-    """The copies that make every node hold the source's image and model. ``differing``: per
-    node, files whose content differs though size and time agree (``--verify``'s checksums)."""
+    """The copies that make every node hold the source's image and model. ``differing``
+    (``--verify``'s checksums): per node, the files of the same size whose content differs;
+    given, it decides instead of the modification times."""
     source_name = config.sync_source.name
     source = next(h for h in holdings if h.node == source_name)
     image_on = config.sync.image == "auto"
@@ -89,7 +90,7 @@ def plan_sync(
                 image, old = f"another build: {target.image_id[:19]}", target.image_id
         files, staged, reasons = [], [], {}
         if model_on and source.model.files:
-            suspect = (differing or {}).get(target.node, set())
+            suspect = None if differing is None else differing.get(target.node, set())
             for entry in sorted(source.model.files.values(), key=lambda f: f.path):
                 why = _differs(entry, target.model, suspect)
                 if not why:
@@ -105,16 +106,16 @@ def plan_sync(
     return SyncPlan(source_name, tuple(needs), tuple(problems))
 
 
-def _differs(entry: FileEntry, model: Manifest, suspect: set[str]) -> str:
+def _differs(entry: FileEntry, model: Manifest, suspect: set[str] | None) -> str:
     held = model.files.get(entry.path)
     if held is None:
         return "missing"
     if held.size != entry.size:
         return "size differs"
+    if suspect is not None:  # checksums were compared: they decide
+        return "content differs" if entry.path in suspect else ""
     if held.mtime != entry.mtime:
         return "modified at another time"
-    if entry.path in suspect:
-        return "content differs"
     return ""
 
 
