@@ -130,3 +130,18 @@ def test_a_started_command_that_stalls_raises(local: LocalRunner) -> None:
         proc.read(10)
     proc.kill()
     assert proc.wait(5) is not None
+
+
+def test_two_started_commands_are_joined_inside_the_kernel(local: LocalRunner) -> None:
+    sender = local.start(["head", "-c", "3000000", "/dev/zero"], stall_s=5)
+    receiver = local.start(["wc", "-c"], stall_s=5)
+    moved = 0
+    while count := sender.move_into(receiver, 1 << 20):
+        moved += count
+    receiver.close_stdin()
+    assert (moved, sender.wait(5), receiver.read(100).strip(), receiver.wait(5)) == (
+        3_000_000,
+        0,
+        b"3000000",
+        0,
+    )

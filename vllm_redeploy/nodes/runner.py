@@ -88,6 +88,11 @@ class Process(ABC):
     def kill(self) -> None:
         """Stop the command (and drop its streams); safe to call twice."""
 
+    def move_into(self, other: Process, size: int) -> int | None:
+        """Up to ``size`` bytes of stdout straight into ``other``'s stdin, inside the kernel;
+        0 at the end of stdout; None when these two cannot (then ``read`` and ``write``)."""
+        return None
+
 
 class Runner(ABC):
     """Runs argv on one node. Use as a context manager, or call ``close()``."""

@@ -278,23 +278,32 @@ def _relay(
     target: str,
     on_bytes: Progress,
 ) -> int:
-    """Pump the sender's stdout into the receiver's stdin through this machine."""
+    """Pump the sender's stdout into the receiver's stdin through this machine (inside the
+    kernel when both are local ssh processes)."""
     moved = 0
     try:
-        while chunk := sender.read(CHUNK):
-            receiver.write(chunk)
-            moved += len(chunk)
+        while True:
+            count = sender.move_into(receiver, CHUNK)
+            if count is None:
+                chunk = sender.read(CHUNK)
+                receiver.write(chunk)
+                count = len(chunk)
+            if not count:
+                break
+            moved += count
             on_bytes(moved)
         receiver.close_stdin()
         sent, received = sender.wait(60), receiver.wait(3600)
     except (TimeoutError, RemoteError, OSError) as exc:
         sender.kill()
         receiver.kill()
-        why = (
-            "no byte moved for a while (a cut link or a hung side)"
-            if isinstance(exc, TimeoutError)
-            else one_line(exc)
-        )
+        if isinstance(exc, TimeoutError):
+            why = "no byte moved for a while (a cut link or a hung side)"
+        elif isinstance(exc, RemoteError):
+            why = one_line(exc)
+        else:  # a pipe broke: the side whose ssh ended says why
+            said = [_last_line(p.stderr_text()) for p in (receiver, sender)]
+            why = next((f"{one_line(w)} ({one_line(exc)})" for w in said if w), one_line(exc))
         raise SyncFailed(
             target,
             f"the copy from {source} to {target} broke off after {human_bytes(moved)}: {why}",
@@ -308,9 +317,14 @@ def _relay(
         raise SyncFailed(
             target,
             f"the copy from {source} to {target} broke off after {human_bytes(moved)}: "
-            f"{side} said {one_line(text.strip().splitlines()[-1] if text.strip() else 'nothing')}",
+            f"{side} said {one_line(_last_line(text) or 'nothing')}",
         )
     return moved
+
+
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 def planned_bytes(source: NodeAccess, need: SyncNeed, image_id: str | None) -> int:
