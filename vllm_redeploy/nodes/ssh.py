@@ -272,18 +272,15 @@ class SSHRunner(Runner):
             if not self._openssh_tried:
                 self._openssh_tried = True
                 t = self.target
-                argv = [
-                    "ssh", "-T", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
-                    "-o", f"UserKnownHostsFile={t.known_hosts.expanduser()}",
-                    "-o", f"ConnectTimeout={int(t.connect_timeout_s)}",
-                    "-o", f"ServerAliveInterval={t.keepalive_s}", "-o", "ServerAliveCountMax=3",
-                    "-p", str(t.port),
-                ]  # fmt: skip
-                if t.key_file is not None:
-                    argv += ["-i", str(t.key_file.expanduser()), "-o", "IdentitiesOnly=yes"]
-                if t.user:
-                    argv += ["-l", t.user]
-                argv += ["--", t.host]
+                argv = openssh_argv(
+                    t.host,
+                    t.port,
+                    user=t.user,
+                    key_file=str(t.key_file.expanduser()) if t.key_file else None,
+                    known_hosts=str(t.known_hosts.expanduser()),
+                    connect_timeout_s=t.connect_timeout_s,
+                    keepalive_s=t.keepalive_s,
+                )
                 probe = LocalRunner(self.node).run([*argv, "true"], check=False, timeout=30)
                 self._openssh_argv = tuple(argv) if probe.ok else None
             return self._openssh_argv
@@ -398,6 +395,31 @@ def _first_reason(exc: paramiko.ssh_exception.NoValidConnectionsError) -> str:
     for error in exc.errors.values():
         return error.strerror or str(error)
     return str(exc)
+
+
+def openssh_argv(
+    host: str,
+    port: int,
+    *,
+    user: str | None,
+    key_file: str | None,
+    known_hosts: str | None,
+    connect_timeout_s: float,
+    keepalive_s: int,
+) -> list[str]:
+    """OpenSSH's client by our rules, up to the host (the remote command follows): never a
+    prompt, host keys checked and never added, a dead peer noticed within 3 keepalives.
+    ``key_file`` and ``known_hosts`` are paths where the client runs (None: its defaults)."""
+    argv = ["ssh", "-T", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes"]
+    argv += ["-o", f"ConnectTimeout={int(connect_timeout_s)}", "-p", str(port)]
+    argv += ["-o", f"ServerAliveInterval={keepalive_s}", "-o", "ServerAliveCountMax=3"]
+    if known_hosts:
+        argv += ["-o", f"UserKnownHostsFile={known_hosts}"]
+    if key_file:
+        argv += ["-i", key_file, "-o", "IdentitiesOnly=yes"]
+    if user:
+        argv += ["-l", user]
+    return [*argv, "--", host]
 
 
 def _command_line(argv: tuple[str, ...], env: dict[str, str]) -> str:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.nodes import CommandTimedOut, NodeAccess, RemoteError
 from vllm_redeploy.nodes.runner import Process
+from vllm_redeploy.nodes.ssh import openssh_argv
 from vllm_redeploy.safe_text import one_line
 from vllm_redeploy.sync.manifest import STAGE, FileEntry
 from vllm_redeploy.sync.plan import SyncNeed, human_bytes
@@ -76,10 +77,10 @@ def route_between(source: NodeAccess, target: NodeAccess, config: ClusterConfig)
     if config.sync.direct == "off":
         return Route(False, "relayed through this machine (sync.direct = off)")
     node = target.config
-    destination = _destination(config, target)
-    argv = [*_ssh_argv(config, node.ssh_port), destination, "true"]
     try:
-        found = source.runner.run(argv, check=False, timeout=DIRECT_CHECK_S)
+        found = source.runner.run(
+            [*_ssh_to(config, target), "true"], check=False, timeout=DIRECT_CHECK_S
+        )
     except CommandTimedOut:
         return Route(
             False,
@@ -88,7 +89,7 @@ def route_between(source: NodeAccess, target: NodeAccess, config: ClusterConfig)
         )
     if found.ok:
         return Route(True, f"direct from {source.name} over the fabric ({node.ip})")
-    words = one_line(found.stderr.strip().splitlines()[-1] if found.stderr.strip() else "")
+    words = one_line(_last_line(found.stderr))
     return Route(
         False,
         f"relayed through this machine ({source.name} cannot SSH to {node.ip} without a prompt"
@@ -96,21 +97,19 @@ def route_between(source: NodeAccess, target: NodeAccess, config: ClusterConfig)
     )
 
 
-def _destination(config: ClusterConfig, target: NodeAccess) -> str:
-    """Where the source's ssh logs in: the target's login user at its fabric IP."""
-    user = target.config.ssh_user or config.ssh.user
-    return f"{user}@{target.config.ip}" if user else target.config.ip
-
-
-def _ssh_argv(config: ClusterConfig, port: int) -> list[str]:
-    argv = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes"]
-    argv += ["-o", f"ConnectTimeout={int(config.ssh.connect_timeout_s)}", "-p", str(port)]
-    argv += ["-o", f"ServerAliveInterval={config.ssh.keepalive_s}", "-o", "ServerAliveCountMax=3"]
-    if config.sync.ssh_key_file:
-        argv += ["-i", config.sync.ssh_key_file]
-    if config.sync.known_hosts:
-        argv += ["-o", f"UserKnownHostsFile={config.sync.known_hosts}"]
-    return argv
+def _ssh_to(config: ClusterConfig, target: NodeAccess) -> list[str]:
+    """The source's ssh to the target's fabric IP as the target's login user, with the key and
+    known_hosts ``[sync]`` names on the source (its user's own by default)."""
+    node = target.config
+    return openssh_argv(
+        node.ip,
+        node.ssh_port,
+        user=node.ssh_user or config.ssh.user,
+        key_file=config.sync.ssh_key_file,
+        known_hosts=config.sync.known_hosts,
+        connect_timeout_s=config.ssh.connect_timeout_s,
+        keepalive_s=config.ssh.keepalive_s,
+    )
 
 
 def disk_room(target: NodeAccess, path: str) -> int | None:
@@ -225,7 +224,7 @@ def _pipeline(send: str, config: ClusterConfig, target: NodeAccess, receive: str
     """The source's bash script: ``send`` | ssh to the target's fabric IP running ``receive``
     (one quoted word), with the bytes ssh has read so far printed on stderr four times a second
     (its /proc/PID/io: counting them in the stream would copy every byte once more)."""
-    ssh = shlex.join([*_ssh_argv(config, target.config.ssh_port), _destination(config, target)])
+    ssh = shlex.join(_ssh_to(config, target))
     return f"""set -o pipefail
 exec 3<&0
 {{ {send}; }} <&3 | {ssh} {receive} &
