@@ -3,7 +3,8 @@ arguments, and replaced by our program where it is a program.
 
 Docker appends a container's command to the image's ENTRYPOINT: vllm/vllm-openai declares
 ``["vllm", "serve"]`` (replaced), NGC's vLLM a script that prepares the environment (the CUDA
-forward-compatibility libraries; GB10 needs them) and ends in ``exec "$@"`` (kept), community
+forward-compatibility libraries; GB10 needs them) and ends by running its arguments on the
+argument branch of an if/else (kept), community
 builds none; and vLLM images from 0.18 on carry no Ray. The bed has an image of each shape
 (tests/testbed/image.py), NGC's failing as a GB10 does when its script is skipped.
 """
@@ -48,6 +49,11 @@ from vllm_redeploy.probe import run_probe
 EXAMPLE = Path(__file__).resolve().parent.parent / "cluster.example.toml"
 FAST = {"VRD_LOAD_SECONDS": "1"}
 BANNER = "== vLLM =="
+NGC = Path(__file__).resolve().parent / "fixtures" / "ngc"
+KEPT = (
+    "the image's ENTRYPOINT /opt/nvidia/nvidia_entrypoint.sh is kept: it prepares the "
+    'environment, then runs its arguments (exec "$@")'
+)
 
 
 # --- the plan, no servers -------------------------------------------------------------------
@@ -111,13 +117,21 @@ def test_a_cluster_launched_without_entrypoint_is_not_taken_for_current(
         ('#!/bin/sh\necho banner\nexec "$@"\n', True),
         ('#!/bin/bash\nset -e\n[ $# -gt 0 ] || set -- /bin/bash\nexec "${@}"\n# done\n', True),
         ('#!/bin/sh\nsource /etc/profile; exec "$@"\n', True),
+        # NGC's structure (tests/fixtures/ngc): the if/else ending, on one line and on five
+        ((NGC / "nvidia_entrypoint.sh").read_text(), True),
+        ((NGC / "nvidia_entrypoint.multiline.sh").read_text(), True),
+        ('if [ "$#" -gt 0 ]; then exec "$@"; else exec /bin/bash; fi', True),
+        ('if (( $# == 0 )); then\n exec bash\nelse exec "${@}"\nfi', True),
+        ('if [[ $# -eq 0 ]]; then exec "$@"; else exec "/bin/bash"; fi', False),  # wrong branch
+        ('if [[ -z "$X" ]]; then exec /bin/bash; else exec "$@"; fi', False),  # not the count
+        ('if [[ $# -eq 0 ]]; then exec /bin/bash; else exec "$@"; fi\necho after', False),
         ('#!/bin/sh\nexec "$@"\necho after\n', False),  # its last command is another
         ('#!/bin/sh\nexec vllm serve "$@"\n', False),  # a program with our words as arguments
         ("#!/bin/sh\nexec $@\n", False),  # unquoted: the words would be split again
         ("", False),
     ],
 )
-def test_an_entrypoint_runs_its_arguments_only_when_it_ends_in_exec(
+def test_an_entrypoint_runs_its_arguments_only_when_it_ends_by_running_them(
     script: str, runs: bool
 ) -> None:
     assert runs_arguments(script) is runs
@@ -125,7 +139,8 @@ def test_an_entrypoint_runs_its_arguments_only_when_it_ends_in_exec(
 
 def test_a_script_that_runs_its_arguments_is_kept_in_every_container(tmp_path: Path) -> None:
     config = example(tmp_path, interfaces_differ=False)
-    ngc = ImageEntrypoint.of(["/opt/nvidia/nvidia_entrypoint.sh"], '#!/bin/bash\nexec "$@"\n')
+    script = (NGC / "nvidia_entrypoint.sh").read_text()
+    ngc = ImageEntrypoint.of(["/opt/nvidia/nvidia_entrypoint.sh"], script)
     program = ImageEntrypoint.of(["vllm", "serve"], None)
     for backend in ("ray", "mp"):
         explicit = plan_for(backend, config, entrypoint=program)
@@ -134,9 +149,7 @@ def test_a_script_that_runs_its_arguments_is_kept_in_every_container(tmp_path: P
         for mine, theirs in zip(explicit.members, kept.members, strict=True):
             assert mine.spec.entrypoint and theirs.spec.entrypoint is None
             assert list(theirs.spec.command) == container_argv(mine.spec)
-    assert ngc.why() == (
-        'the image\'s ENTRYPOINT /opt/nvidia/nvidia_entrypoint.sh is kept: it ends in exec "$@"'
-    )
+    assert ngc.why() == KEPT
     assert program.why() == (
         "the image's ENTRYPOINT vllm serve is replaced: it does not run its arguments"
     )
@@ -343,9 +356,7 @@ def test_the_cluster_serves_from_an_image_with_an_entrypoint(serve_bed: TestBed,
                 assert ran == ([image.NGC_ENTRYPOINT] if kept else []) + vllm_serve_args(config)
                 assert (BANNER in engine.logs().decode()) is kept
     if kept:
-        why = (
-            'the image\'s ENTRYPOINT /opt/nvidia/nvidia_entrypoint.sh is kept: it ends in exec "$@"'
-        )
+        why = KEPT
         assert f"node-1: {why}" in state.result()["notes"]
         before = all_containers(serve_bed)
         lines = plan_lines(config)  # reads the script from a container it never starts

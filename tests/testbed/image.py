@@ -39,20 +39,10 @@ NGC_ENTRYPOINT = "/opt/nvidia/nvidia_entrypoint.sh"
 # (a driver older than the image's CUDA) vLLM fails FlashInfer's JIT without them.
 CUDA_COMPAT = "/usr/local/cuda/compat/lib.real"
 NO_RAY_BIN = "/opt/vrd/noray/bin"  # `vllm` and a `python3` without site-packages
-# What NGC's script prints before it runs the command (from entrypoint.d, abridged).
-NGC_BANNER = """
-==========
-== vLLM ==
-==========
-
-NVIDIA Release 25.11
-
-Container image Copyright (c) 2025, NVIDIA CORPORATION & AFFILIATES. All rights reserved.
-
-This container image and its contents are governed by the NVIDIA Deep Learning Container License.
-By pulling and using the container, you accept the terms and conditions of this license:
-https://developer.nvidia.com/ngc/nvidia-deep-learning-container-license
-"""
+# NGC's entrypoint in its real structure (tests/fixtures/ngc: its parts in entrypoint.d, the
+# banner, the if/else ending over five lines).
+NGC_FIXTURES = REPO / "tests" / "fixtures" / "ngc"
+NGC_SCRIPT = NGC_FIXTURES / "nvidia_entrypoint.multiline.sh"
 
 
 @dataclass(frozen=True)
@@ -148,10 +138,10 @@ def rootfs() -> bytes:
             _file(tar, f"{bin_dir}/vllm", shim.encode(), 0o755)
         bare = f'#!/bin/sh\nexec {PYTHON_HOME}/bin/python3 -S "$@"\n'
         _file(tar, f"{NO_RAY_BIN.lstrip('/')}/python3", bare.encode(), 0o755)
-        compat = f'export LD_LIBRARY_PATH="{CUDA_COMPAT}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"\n'
-        run = compat + '[ $# -gt 0 ] || set -- /bin/sh\nexec "$@"\n'
-        script = f"#!/bin/sh\ncat <<'EOF'\n{NGC_BANNER}EOF\n{run}"
-        _file(tar, NGC_ENTRYPOINT.lstrip("/"), script.encode(), 0o755)
+        _file(tar, NGC_ENTRYPOINT.lstrip("/"), NGC_SCRIPT.read_bytes(), 0o755)
+        _dir(tar, "opt/nvidia/entrypoint.d", 0o755)
+        for part in sorted((NGC_FIXTURES / "entrypoint.d").iterdir()):
+            _file(tar, f"opt/nvidia/entrypoint.d/{part.name}", part.read_bytes(), 0o644)
     return buf.getvalue()
 
 
