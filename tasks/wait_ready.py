@@ -47,6 +47,9 @@ HTTP_TIMEOUT = httpx.Timeout(2.0, connect=1.0)
 HINTS = {
     "ibv_reg_mr": "NCCL could not register memory with the RDMA device: the container needs "
     "IPC_LOCK and an unlimited memlock ([fabric] memlock_bytes = -1)",
+    "(configured by VLLM_ENGINE_READY_TIMEOUT_S)": "vLLM gave up waiting for its engine to "
+    "start: [vllm.env] VLLM_ENGINE_READY_TIMEOUT_S is shorter than the load; raise it, or leave "
+    "it out so that it follows [deadlines] model_load_s",
     "no socket interface found": "NCCL found no interface named in NCCL_SOCKET_IFNAME on that "
     "node: fix the node's fabric_interfaces (or leave them out to use the discovered ones)",
 }

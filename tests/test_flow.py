@@ -190,6 +190,28 @@ def test_a_later_run_asks_the_image_nothing_and_finds_what_vllm_compiled(
     assert [(r.name, r.state_name) for r in facts] == [("image-facts[node-1]", "Cached")]
 
 
+def test_vllm_waits_for_its_engine_as_long_as_we_wait_for_the_load(flow_bed: TestBed) -> None:
+    """vLLM bounds its engine's start by VLLM_ENGINE_READY_TIMEOUT_S (600 s unless set; the
+    whole start from 0.33 on, see the stand-in). Every container of the group gets
+    [deadlines] model_load_s, in whole seconds, unless [vllm.env] sets it; one set there that
+    is shorter than the load is named as the cause."""
+    newer = {"VRD_VLLM_VERSION": "0.33.0", "VRD_LOAD_SECONDS": "4"}
+    short = failure(run_flow(flow_bed, vllm={"env": {**newer, "VLLM_ENGINE_READY_TIMEOUT_S": "1"}}))
+    assert "Waited 1s (configured by VLLM_ENGINE_READY_TIMEOUT_S)" in short, short
+    assert "leave it out so that it follows [deadlines] model_load_s" in short, short
+    state = run_flow(flow_bed, vllm={"env": newer}, deadlines={"model_load_s": 90.5})
+    assert state.is_completed(), failure(state)
+    config = load_config(flow_bed.root / "run.toml", env_file=None)
+    for node in flow_bed.nodes:
+        with contextlib.closing(node.engine.client()) as client:
+            ours = [c for c in client.containers.list() if c.name.startswith("vllm-redeploy-")]
+            assert ours, node.name
+            for container in ours:
+                env = container.attrs["Config"]["Env"]
+                assert "VLLM_ENGINE_READY_TIMEOUT_S=91" in env, (container.name, env)
+    assert config.deadlines.model_load_s == 90.5
+
+
 def test_canaries_survived_everything(flow_bed: TestBed) -> None:
     assert all("canary" in c for c in containers(flow_bed).values())
     assert (flow_bed.root / "canary-dir" / "weights.bin").exists()

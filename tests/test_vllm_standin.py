@@ -591,6 +591,24 @@ def test_hang_stops_at_half_and_never_serves(launcher: Launcher) -> None:
     assert "75% Completed" not in standin.output()
 
 
+@pytest.mark.parametrize(("version", "gives_up"), [("0.32.0", False), ("0.33.0", True)])
+def test_the_engine_ready_timeout_bounds_the_start_from_0_33(
+    launcher: Launcher, version: str, gives_up: bool
+) -> None:
+    env = {"VRD_VLLM_VERSION": version, "VRD_LOAD_SECONDS": "3", "VLLM_ENGINE_READY_TIMEOUT_S": "1"}
+    standin = launcher.start(env=env)
+    if not gives_up:  # as the real 0.32.0 (tests/test_vllm_differential.py)
+        standin.wait_serving()
+        return
+    assert standin.wait_exit(20) == 1
+    assert (
+        "TimeoutError: Timed out waiting for engine core processes to start. This is often caused "
+        "by slow weight loading for large models. Waited 1s (configured by "
+        "VLLM_ENGINE_READY_TIMEOUT_S)."
+    ) in standin.output()
+    assert standin.refuses_connections()
+
+
 def test_wrong_name_and_health_503(launcher: Launcher) -> None:
     standin = launcher.serve(env={"VRD_FAULT": "wrong_name:glm-4.5-air,health_503"})
     assert [m["id"] for m in standin.get("/v1/models").json()["data"]] == ["glm-4.5-air"]

@@ -4,6 +4,7 @@ model mounts and `vllm serve`'s common arguments."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,6 +20,8 @@ LABEL_BACKEND = "io.vllm-redeploy.backend"
 ENGINE_ROLE = "engine"
 # The RDMA devices NCCL opens (the uverbs nodes under it), as NVIDIA's containers get them.
 RDMA_DEVICES = "/dev/infiniband"
+# vLLM's bound on its engine's whole start, in whole seconds (read as an int).
+ENGINE_READY_TIMEOUT = "VLLM_ENGINE_READY_TIMEOUT_S"
 PER_NODE_VARS = (
     "NCCL_SOCKET_IFNAME",
     "GLOO_SOCKET_IFNAME",
@@ -54,8 +57,9 @@ def node_env(
     node: NodeConfig, config: ClusterConfig, fabric: NodeFabric | None = None
 ) -> dict[str, str]:
     """Environment of a node's containers: NCCL's transport log, Ray's defaults for unified
-    memory and the compile caches, then the fabric interfaces and HCAs found on the node, then
-    [vllm.env], then the node's configured interfaces and HCAs, then the IP vLLM must use."""
+    memory, the compile caches and vLLM's start-up bound, then the fabric interfaces and HCAs
+    found on the node, then [vllm.env], then the node's configured interfaces and HCAs, then the
+    IP vLLM must use."""
     fabric = fabric or NodeFabric()
     env = {
         # NCCL says which transport it chose (checked after every launch); kept short.
@@ -66,6 +70,7 @@ def node_env(
         "PYTHONUNBUFFERED": "1",
         **_ray_memory_env(config),
         **cache_env(config),
+        **engine_start_env(config),
     }
     if "NCCL_DEBUG" in config.vllm.env:  # the operator's own NCCL logging
         del env["NCCL_DEBUG_SUBSYS"]
@@ -83,6 +88,15 @@ def node_env(
         env["NCCL_IB_HCA"] = ",".join(node.ib_hcas)
     env["VLLM_HOST_IP"] = node.ip
     return env
+
+
+def engine_start_env(config: ClusterConfig) -> dict[str, str]:
+    """vLLM's own bound on its engine's start (weights, compile, graph capture: 600 s unless
+    set) raised to ours, [deadlines] model_load_s, so it never cuts short a load we would still
+    wait for (a GB10's first cold start after a reboot or an image change takes about that; see
+    vllm#48031). Its clock starts after the API server's imports, later than ours: our wait
+    gives up first, with its own diagnosis. [vllm.env] may still set it."""
+    return {ENGINE_READY_TIMEOUT: str(math.ceil(config.deadlines.model_load_s))}
 
 
 def _ray_memory_env(config: ClusterConfig) -> dict[str, str]:

@@ -123,6 +123,19 @@ PTX_TRACE = """Traceback (most recent call last):
 RuntimeError: CUDA error: the provided PTX was compiled with an unsupported toolchain. \
 (cudaErrorUnsupportedPtxVersion)
 """
+# vLLM's API server gives up on its engine core after VLLM_ENGINE_READY_TIMEOUT_S, then exits 1
+# (the message of core_client.py, 0.32.0). Up to 0.32 the bound starts only once the engine's
+# handshake is done, after the load (measured: 0.32.0 serves with it set to 1; vllm#48031 says the
+# same of 0.24); from 0.33 (vllm#50039) it bounds the engine's whole start.
+READY_TIMEOUT_BOUNDS_START = (0, 33)
+READY_TIMEOUT_TRACE = """Traceback (most recent call last):
+  File "/usr/local/lib/python3.12/dist-packages/vllm/v1/engine/core_client.py", line 742, in \
+__init__
+    raise TimeoutError(
+TimeoutError: Timed out waiting for engine core processes to start. This is often caused by slow \
+weight loading for large models. Waited {seconds}s (configured by VLLM_ENGINE_READY_TIMEOUT_S). To \
+increase the timeout, set the environment variable: VLLM_ENGINE_READY_TIMEOUT_S=<seconds>
+"""
 ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 
 
@@ -1566,6 +1579,19 @@ def log_shutdown(log: Log) -> None:
     log.uvicorn(f"Finished server process [{log.pid}]")
 
 
+def give_up_unless_ready(engine: Engine) -> None:
+    """vLLM's bound on the engine's start (0.33 on): not serving within
+    VLLM_ENGINE_READY_TIMEOUT_S of the engine's start, the API server raises its TimeoutError
+    and the process exits 1."""
+    seconds = int(os.environ.get("VLLM_ENGINE_READY_TIMEOUT_S", "600"))
+    if engine.serving.wait(seconds):
+        return
+    engine.log.traceback(READY_TIMEOUT_TRACE.format(seconds=seconds), "APIServer")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def exit_after_death(engine: Engine, server: ApiServer) -> None:
     engine.dead.wait()
     time.sleep(engine.knobs.dead_exit_delay)
@@ -1602,6 +1628,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         log.traceback(refused.text, "APIServer")
         return 1
     engine = Engine(config, knobs, log)
+    if version_at_least(knobs.version, READY_TIMEOUT_BOUNDS_START):
+        threading.Thread(target=give_up_unless_ready, args=(engine,), daemon=True).start()
     try:
         engine.start()
         engine.watch()
