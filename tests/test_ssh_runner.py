@@ -5,11 +5,14 @@ from __future__ import annotations
 import pickle
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import NODE_IP
 from tests.test_local_runner import BATCH, check_batch
+from tests.testbed.dockerd import DockerEngine
 from tests.testbed.sshd import SSHServer, keygen
 from vllm_redeploy.nodes import (
     AuthenticationFailed,
@@ -20,6 +23,8 @@ from vllm_redeploy.nodes import (
     SSHRunner,
     SSHTarget,
 )
+from vllm_redeploy.nodes.docker import node_docker_for
+from vllm_redeploy.nodes.result import CommandResult
 
 pytestmark = pytest.mark.integration
 
@@ -109,6 +114,81 @@ def test_connection_is_reused_and_recovers_after_a_drop(
     time.sleep(0.2)
     assert ssh_runner.run(["echo", "back"], timeout=10).stdout == "back\n"
     assert ssh_runner.client() is not first
+
+
+def test_many_commands_at_once_stay_within_sshd_max_sessions(ssh_runner: SSHRunner) -> None:
+    """OpenSSH's sshd refuses an 11th channel on one connection (MaxSessions 10): a fan-out of
+    more commands than that waits for its turn, and none breaks the connection of the others."""
+    outcomes = fan_out_threads(
+        lambda i: ssh_runner.run(["sh", "-c", f"sleep 0.3; echo {i}"], timeout=30), 30
+    )
+    assert outcomes == [f"{i}\n" for i in range(30)]
+
+
+def test_docker_calls_and_commands_at_once_share_the_connection(
+    ssh_runner: SSHRunner, dockerd: DockerEngine
+) -> None:
+    """The Docker SDK's pooled HTTP connections are channels of the same connection."""
+    docker = node_docker_for(ssh_runner)
+    errors: list[BaseException] = []
+
+    def call(i: int) -> None:
+        try:
+            if i % 2:
+                docker.version()
+                docker.list_containers()
+            else:
+                ssh_runner.run(["sh", "-c", "sleep 0.2"], timeout=30)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(24)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    docker.close()
+    assert errors == [], errors[:3]
+
+
+def test_a_node_that_refuses_channels_sooner_is_waited_for(
+    tmp_path: Path, client_key: Path
+) -> None:
+    """A node whose sshd allows fewer sessions than we open (MaxSessions 2): the refused
+    channel is asked for again as others close, never taken for a dead link."""
+    server = SSHServer(tmp_path / "sshd", NODE_IP, [client_key], options=["MaxSessions 2"])
+    server.start()
+    try:
+        known = tmp_path / "known_hosts"
+        known.write_text(server.known_hosts_line())
+        target = SSHTarget(
+            host=server.host, port=server.port, user="root", key_file=client_key,
+            known_hosts=known,
+        )  # fmt: skip
+        with SSHRunner("node-b", target) as runner:
+            outcomes = fan_out_threads(
+                lambda i: runner.run(["sh", "-c", f"sleep 0.2; echo {i}"], timeout=30), 8
+            )
+        assert outcomes == [f"{i}\n" for i in range(8)]
+    finally:
+        server.stop()
+
+
+def fan_out_threads(fn: Callable[[int], CommandResult], count: int) -> list[str | BaseException]:
+    found: list[str | BaseException] = [""] * count
+
+    def one(i: int) -> None:
+        try:
+            found[i] = fn(i).stdout
+        except BaseException as exc:
+            found[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return found
 
 
 def test_unknown_host_key_is_refused_with_how_to_trust(target: SSHTarget, tmp_path: Path) -> None:

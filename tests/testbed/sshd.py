@@ -33,6 +33,7 @@ class SSHServer:
     host_key: Path | None = None
     pid: int = 0
     enter: list[str] = field(default_factory=list)  # a prefix that runs it elsewhere (nsenter)
+    options: list[str] = field(default_factory=list)  # more sshd_config lines
 
     def start(self) -> SSHServer:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -58,8 +59,9 @@ class SSHServer:
                     "UsePAM no",
                     "StrictModes no",
                     "PrintMotd no",
-                    "MaxSessions 64",
-                    "MaxStartups 64:30:128",
+                    # OpenSSH's own limits (MaxSessions 10, MaxStartups 10:30:100), as on a
+                    # real host: the product must stay within them.
+                    *self.options,
                     *([f"SetEnv {set_env}"] if set_env else []),
                     "",
                 ]

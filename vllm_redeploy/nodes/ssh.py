@@ -4,6 +4,11 @@ One connection per node, opened lazily on the first command and reused; if it tu
 be dead when a command starts, it is reopened once. A connection that drops while a command
 runs is reported (``ConnectionLost``), not retried here: only the caller knows whether the
 command is safe to run twice.
+
+Every command, stream and Docker API connection is a channel of that one connection, and
+OpenSSH's sshd refuses more than ``MaxSessions`` (10 by default) at once: at most
+``MAX_CHANNELS`` are open at a time, the others wait for one to close, and a channel the node
+refuses all the same (a lower MaxSessions) is asked for again, never taken for a dead link.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ EXIT_NO_STATUS = (
 READ_CHUNK = 65536
 EOF_GRACE_S = 2.0  # after the exit status, how long to wait for EOF (the rest of the output)
 POLL_S = 0.5  # backstop for select(); data and channel close wake us at once
+# Below OpenSSH's default MaxSessions (10), leaving room for a person's own session.
+MAX_CHANNELS = 8
+REFUSED_RETRY_S = 0.1  # how soon a channel the node refused is asked for again
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,27 @@ class _RecordOnFirstUse(paramiko.MissingHostKeyPolicy):
         client.get_host_keys().add(hostname, key.get_name(), key)
 
 
+class ChannelLease:
+    """An open channel holding one of its connection's ``MAX_CHANNELS`` places until closed."""
+
+    def __init__(self, channel: paramiko.Channel, places: threading.Semaphore) -> None:
+        self.channel = channel
+        self._places: threading.Semaphore | None = places
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """Close the channel and give its place back (once; a dead connection's is a no-op)."""
+        with contextlib.suppress(paramiko.SSHException, EOFError, OSError):
+            self.channel.close()
+        self.release()
+
+    def release(self) -> None:
+        with self._lock:
+            places, self._places = self._places, None
+        if places is not None:
+            places.release()
+
+
 class SSHRunner(Runner):
     """Runs argv on a node over one reused SSH connection."""
 
@@ -111,6 +140,7 @@ class SSHRunner(Runner):
         super().__init__(node, secrets + passphrase, default_timeout)
         self.target = target
         self._client: paramiko.SSHClient | None = None
+        self._places = threading.Semaphore(MAX_CHANNELS)  # the connection's open channels
         self._lock = threading.Lock()
         self._openssh_tried = False
         self._openssh_argv: tuple[str, ...] | None = None
@@ -140,6 +170,8 @@ class SSHRunner(Runner):
             if self._client is None or not self.is_connected:
                 self._drop()
                 self._client = self._connect()
+                # A new connection: the old one's channels died with it, places and all.
+                self._places = threading.Semaphore(MAX_CHANNELS)
             return self._client
 
     def close(self) -> None:
@@ -234,18 +266,44 @@ class SSHRunner(Runner):
         transport.set_keepalive(t.keepalive_s)
         return client
 
-    def _open_channel(self) -> paramiko.Channel:
-        """A new session channel, reconnecting once if the cached connection has died."""
-        for attempt in (1, 2):
-            transport = self.client().get_transport()
+    def open_channel(self) -> ChannelLease:
+        """A new session channel, once one of the connection's places is free; reconnecting
+        once if the cached connection has died. A channel the node refuses on a live
+        connection (its sshd's MaxSessions is lower than ours) is asked for again until one
+        closes. (paramiko keeps one failure per connection, which concurrent opens may take from
+        each other: a live connection is what tells a refusal from a dead link.)"""
+        refused_until: float | None = None
+        attempt = 1
+        while True:
+            client = self.client()
+            places = self._places
+            places.acquire()
+            transport = client.get_transport()
             try:
                 assert transport is not None
-                return transport.open_session(timeout=self.target.connect_timeout_s)
+                channel = transport.open_session(timeout=self.target.connect_timeout_s)
+                return ChannelLease(channel, places)
             except (paramiko.SSHException, EOFError, OSError, AssertionError) as exc:
-                self.close()
-                if attempt == 2:
-                    raise NodeUnreachable(self.node, f"cannot open an SSH session: {exc}") from None
-        raise AssertionError("unreachable")
+                places.release()
+                if transport is None or not transport.is_active():
+                    self.close()
+                    if attempt == 2:
+                        raise NodeUnreachable(
+                            self.node, f"cannot open an SSH session: {exc}"
+                        ) from None
+                    attempt += 1
+                    continue
+                now = time.monotonic()
+                refused_until = refused_until or now + self.target.connect_timeout_s * 3
+                if now >= refused_until:
+                    raise NodeUnreachable(
+                        self.node,
+                        "its sshd keeps refusing a new session on the connection "
+                        f"({exc or type(exc).__name__})",
+                        f"Its MaxSessions is below {MAX_CHANNELS + 2}: raise it in the node's "
+                        "sshd_config (OpenSSH's default is 10)",
+                    ) from None
+                time.sleep(REFUSED_RETRY_S)
 
     def _start(self, argv: tuple[str, ...], *, env: dict[str, str], stall_s: float) -> Process:
         """A stream of bulk data (an image, a model): through this machine's OpenSSH client when
@@ -255,15 +313,15 @@ class SSHRunner(Runner):
         if client is not None:
             line = _command_line(argv, env)
             return LocalRunner(self.node)._start((*client, line), env={}, stall_s=stall_s)
-        channel = self._open_channel()
+        lease = self.open_channel()
         try:
-            channel.exec_command(_command_line(argv, env))
+            lease.channel.exec_command(_command_line(argv, env))
         except (paramiko.SSHException, EOFError, OSError) as exc:
-            channel.close()
+            lease.close()
             self.close()
             raise ConnectionLost(self.node, f"the SSH connection dropped: {exc}", "") from None
-        channel.settimeout(stall_s)
-        return _ChannelProcess(self, channel)
+        lease.channel.settimeout(stall_s)
+        return _ChannelProcess(self, lease)
 
     def _openssh(self) -> tuple[str, ...] | None:
         """``ssh`` with this runner's host, port, user, key and known_hosts (host keys checked,
@@ -295,7 +353,8 @@ class SSHRunner(Runner):
         capture: OutputCapture,
     ) -> tuple[int | None, bool]:
         deadline = time.monotonic() + timeout
-        channel = self._open_channel()
+        lease = self.open_channel()
+        channel = lease.channel
         try:
             channel.exec_command(_command_line(argv, env))
             if stdin is not None:
@@ -329,15 +388,16 @@ class SSHRunner(Runner):
             self.close()
             raise ConnectionLost(self.node, f"the SSH connection dropped: {exc}", "") from None
         finally:
-            channel.close()
+            lease.close()
 
 
 class _ChannelProcess(Process):
     """A command on one SSH channel of the node's connection, its stdin and stdout streamed."""
 
-    def __init__(self, runner: SSHRunner, channel: paramiko.Channel) -> None:
+    def __init__(self, runner: SSHRunner, lease: ChannelLease) -> None:
         self._runner = runner
-        self._channel = channel
+        self._lease = lease
+        self._channel = lease.channel
         self._stderr = bytearray()
 
     def read(self, size: int) -> bytes:
@@ -372,6 +432,7 @@ class _ChannelProcess(Process):
             time.sleep(0.05)
         self._drain_stderr()
         status = self._channel.recv_exit_status()
+        self._lease.release()  # it ended: the channel no longer counts against MaxSessions
         if status == EXIT_NO_STATUS and not self._runner._still_connected():
             raise ConnectionLost(self._runner.node, "the SSH connection dropped while it ran", "")
         return status
@@ -387,8 +448,7 @@ class _ChannelProcess(Process):
     def kill(self) -> None:
         # sshd hangs the session up: the command gets SIGHUP or EPIPE. On a dead connection
         # there is no one to tell.
-        with contextlib.suppress(paramiko.SSHException, EOFError, OSError):
-            self._channel.close()
+        self._lease.close()
 
 
 def _first_reason(exc: paramiko.ssh_exception.NoValidConnectionsError) -> str:
