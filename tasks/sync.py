@@ -63,7 +63,7 @@ def sync_node(run: Run, name: str, need: SyncNeed, image_id: str | None) -> list
     try:
         route = route_between(source, target, config)
         log().info("%s, %s", need.describe(config.vllm.image), route)
-        total = planned_bytes(source, need, image_id)
+        total = planned_bytes(source, need, config.vllm.image if image_id else None)
         artifact = create_progress_artifact(
             0.0,
             key=artifact_key(config.name, f"sync-{name}"),

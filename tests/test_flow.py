@@ -148,11 +148,18 @@ def test_an_empty_answer_fails_the_probe(flow_bed: TestBed) -> None:
 
 @pytest.mark.parametrize(
     ("nodes", "gpu", "first_ip"),
-    [(2, "gb10", 51), (4, "h200", 41)],
-    ids=["gb10-2-nodes", "h200-4-nodes"],
+    [(2, "gb10", 51), (8, "h200", 41)],
+    ids=["gb10-2-nodes", "h200-8-nodes"],
 )
 def test_other_node_kinds_and_sizes(prefect_api: None, nodes: int, gpu: str, first_ip: int) -> None:
-    bed = make_bed(nodes, gpu, first_ip)
+    """At 8 nodes as a real cluster mid-upgrade would be: NGC's image (its entrypoint kept),
+    every other node's engine answering as Docker 29, OpenSSH's default session limits."""
+    big = nodes == 8
+    bed = make_bed(
+        nodes, gpu, first_ip,
+        vllm_image=image.NGC_IMAGE if big else image.BED_IMAGE,
+        docker29=[f"node-{i}" for i in range(2, nodes + 1, 2)] if big else (),
+    )  # fmt: skip
     try:
         state = run_flow(bed)
         assert state.is_completed(), failure(state)

@@ -144,7 +144,7 @@ def _copy_all(
     with Progress(*columns, console=out, transient=False) as bars:
 
         def one(need: SyncNeed) -> list[Copied]:
-            total = planned_bytes(source, need, image_id)
+            total = planned_bytes(source, need, cluster.vllm.image if image_id else None)
             bar = bars.add_task(need.target, total=total or None)
             copied = sync_target(
                 source,

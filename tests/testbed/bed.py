@@ -12,7 +12,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,10 +110,13 @@ class TestBed:
         first_ip: int = FIRST_IP,
         vllm_image: str = image.BED_IMAGE,
         rdma: Mapping[str, str] | None = None,
+        docker29: Sequence[str] = (),
     ) -> TestBed:
         """Bring up ``nodes`` nodes at NET.<first_ip>, <first_ip + 1>, ...; beds at other
         addresses can run side by side (Ray and the API bind the nodes' own addresses).
-        ``rdma``: node name -> a tests.testbed.fabric preset, e.g. {"node-1": "both"}."""
+        ``rdma``: node name -> a tests.testbed.fabric preset, e.g. {"node-1": "both"}.
+        ``docker29``: the nodes whose engine answers as Docker 29 (tests.testbed.docker29), as
+        in a cluster upgraded in part."""
         if not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"--nodes must be 1..{MAX_NODES}, got {nodes}")
         rdma = dict(rdma or {})
@@ -141,6 +144,7 @@ class TestBed:
                     str(root / "gpu" / bed_ip(first_ip + i - 1)),
                     rdma=rdma.get(f"node-{i}", ""),
                     rdma_state=str(root / "rdma" / f"{bed_ip(first_ip + i - 1)}.json"),
+                    docker29=f"node-{i}" in docker29,
                 )
             )
             for i in range(1, nodes + 1)

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tests.testbed import fabric
+from tests.testbed.docker29 import DockerGate
 from tests.testbed.dockerd import DockerEngine
 from tests.testbed.memory import NodeMemory
 from tests.testbed.namespace import NodeNamespace
@@ -48,6 +49,8 @@ class NodeSpec:
     rdma_state: str = ""  # the file the node's `rdma` stand-in reads (none: no HCA)
     bus: int = 0  # the PCI bus number in its interface names, unique on the host
     ns_pid: int = 0  # the holder of its mount namespace (0: powered off)
+    docker29: bool = False  # its engine answers as Docker 29 (tests.testbed.docker29)
+    gate_pid: int = 0
 
 
 class EmulatedNode:
@@ -57,6 +60,12 @@ class EmulatedNode:
         self.gpu_dir = Path(spec.gpu_dir)
         self.namespace = NodeNamespace(self.root, self.gpu_dir, pid=spec.ns_pid)
         self.engine = DockerEngine(self.root / "d", pid=spec.dockerd_pid)
+        self.gate = (
+            DockerGate(self.root / "docker29.sock", self.engine.socket, self.root / "docker29.log",
+                       pid=spec.gate_pid)
+            if spec.docker29
+            else None
+        )  # fmt: skip
         self.sshd = SSHServer(
             self.root / "sshd",
             spec.ip,
@@ -66,7 +75,17 @@ class EmulatedNode:
             pid=spec.sshd_pid,
         )
         if spec.ns_pid:
-            self.engine.enter = self.sshd.enter = self.namespace.enter()
+            self._enter()
+
+    def _enter(self) -> None:
+        self.engine.enter = self.sshd.enter = self.namespace.enter()
+        if self.gate is not None:
+            self.gate.enter = self.engine.enter
+
+    @property
+    def docker_url(self) -> str:
+        """Where the node's own docker CLI and everything on it reach Docker."""
+        return self.gate.url if self.gate is not None else self.engine.url
 
     name = property(lambda self: self.spec.name)
     ip = property(lambda self: self.spec.ip)
@@ -111,7 +130,7 @@ class EmulatedNode:
         """The node's login environment: what its sshd gives every session."""
         return {
             "PATH": f"{self.bin_dir}:{SYSTEM_PATH}",
-            "DOCKER_HOST": self.engine.url,
+            "DOCKER_HOST": self.docker_url,
             "VRD_GPU_STATE": str(self.gpu_dir),
         }
 
@@ -148,7 +167,7 @@ class EmulatedNode:
         os.setxattr(units, "trusted.overlay.opaque", b"y")
         # As on a host whose docker CLI reaches the node's engine: units get DOCKER_HOST.
         (etc / "systemd" / "system.conf").write_text(
-            f"[Manager]\nDefaultEnvironment=DOCKER_HOST={self.engine.url}\n"
+            f"[Manager]\nDefaultEnvironment=DOCKER_HOST={self.docker_url}\n"
         )
         if self.spec.rdma:
             self._create_fabric()
@@ -172,8 +191,11 @@ class EmulatedNode:
         self.memory.boot()
         self.namespace.start()
         self.spec.ns_pid = self.namespace.pid
-        self.engine.enter = self.sshd.enter = self.namespace.enter()
+        self._enter()
         self.engine.start()
+        if self.gate is not None:
+            self.gate.start()
+            self.spec.gate_pid = self.gate.pid
         if expect_back:
             wait_until(
                 lambda: set(expect_back) <= self._running(),
@@ -291,6 +313,9 @@ class EmulatedNode:
             kill_tree(supervisor, grace=0)
         shutil.rmtree(self.systemd_dir, ignore_errors=True)
         self.sshd.stop()
+        if self.gate is not None:
+            self.gate.stop()
+            self.spec.gate_pid = 0
         self.engine.stop_engine()
         static = {p["pid"] for p in gpu_state.read_config(self.gpu_dir)["static_processes"]}
         for holder in gpu_state.live_processes(self.gpu_dir):

@@ -1,15 +1,18 @@
 """Docker on a node through the docker SDK: over the node's SSH connection, or a local socket.
 
 For SSH nodes the SDK's paramiko adapter is reused, but fed the runner's own connection, so
-Docker traffic obeys the same host-key rules and shares the node's one connection (each API
-call opens a channel running ``docker system dial-stdio`` on the node).
+Docker traffic obeys the same host-key rules and shares the node's one connection (each pooled
+HTTP connection is a channel running ``docker system dial-stdio`` on the node, leased from the
+runner so that the node's sshd never sees more channels than its MaxSessions).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fnmatch
+import hashlib
 import io
+import json
 import tarfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -18,27 +21,33 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import docker
+import docker.constants
 import docker.errors
 import paramiko
 import requests
 from docker.models.containers import Container
-from docker.transport.sshconn import SSHHTTPAdapter
+from docker.transport.sshconn import SSHConnection, SSHConnectionPool, SSHHTTPAdapter
 from docker.types import DeviceRequest, Ulimit
 
 from vllm_redeploy.nodes.containers import ContainerInfo, ContainerSpec
 from vllm_redeploy.nodes.errors import RemoteError
 from vllm_redeploy.nodes.result import CommandResult
 from vllm_redeploy.nodes.runner import OutputCapture, Runner
-from vllm_redeploy.nodes.ssh import SSHRunner
+from vllm_redeploy.nodes.ssh import ChannelLease, SSHRunner
 from vllm_redeploy.safe_text import one_line
 
-# Docker Engine API 1.41 = Docker 20.10, the oldest engine with everything used here (GPU
-# device requests need 1.40). Fixed so that creating a client never contacts the node.
+# The API spoken to a node's engine is negotiated at its first call: the engine's own version,
+# capped at the newest this SDK is tested with. 1.41 = Docker 20.10, the oldest engine with
+# everything used here (GPU device requests need 1.40); Docker 29 refuses below 1.44. Clients
+# start at 1.41, so that creating one never contacts the node.
 API_VERSION = "1.41"
+NEWEST_API = docker.constants.DEFAULT_DOCKER_API_VERSION  # 1.45 for docker 7.2
 API_TIMEOUT_S = 60
 # Placeholder base URL: the real transport is mounted on http+docker://ssh below.
 _SSH_BASE_URL = "http+docker://ssh"
 _UNUSED_TCP_URL = "tcp://127.0.0.1:9"
+# Idle HTTP connections kept per node: each holds one of the connection's channels.
+POOLED_CHANNELS = 2
 
 T = TypeVar("T")
 
@@ -52,6 +61,41 @@ class DockerError(RemoteError):
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
         return (DockerError, (self.node, self.message, self.transient))
+
+
+class _LeasedConnection(SSHConnection):
+    """docker's HTTP-over-SSH connection, on a channel leased from the runner."""
+
+    def __init__(self, runner: SSHRunner, timeout: int) -> None:
+        super().__init__(None, timeout)
+        self._runner = runner
+        self._lease: ChannelLease | None = None
+
+    def connect(self) -> None:
+        self._give_back()  # http.client connects again on the same object once the peer closed
+        self._lease = self._runner.open_channel()
+        channel = self._lease.channel
+        channel.settimeout(self.timeout)
+        channel.exec_command("docker system dial-stdio")
+        self.sock = channel
+
+    def close(self) -> None:
+        super().close()
+        self._give_back()
+
+    def _give_back(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.close()
+
+
+class _LeasedPool(SSHConnectionPool):
+    def __init__(self, runner: SSHRunner, timeout: int) -> None:
+        super().__init__(None, timeout=timeout, maxsize=POOLED_CHANNELS)
+        self._runner = runner
+
+    def _new_conn(self) -> _LeasedConnection:
+        return _LeasedConnection(self._runner, self.timeout)
 
 
 class _RunnerSSHAdapter(SSHHTTPAdapter):
@@ -72,7 +116,13 @@ class _RunnerSSHAdapter(SSHHTTPAdapter):
         if client is not self.ssh_client:
             self.ssh_client = client
             self.pools.clear()  # pools hold channels of the old connection
-        return super().get_connection(url, proxies)
+        # One pool for every URL (requests asks per request URL; docker's own adapter keeps a
+        # pool, and its idle channel, per path until ten are kept).
+        with self.pools.lock:
+            pool = self.pools.get(_SSH_BASE_URL)
+            if pool is None:
+                pool = self.pools[_SSH_BASE_URL] = _LeasedPool(self._runner, self.timeout)
+        return pool
 
     def close(self) -> None:
         # The connection belongs to the runner; only drop our pools (closing a channel of a
@@ -112,6 +162,7 @@ class NodeDocker:
         # Called when the transport fails, before the one retry: drops a dead SSH connection
         # that paramiko has not noticed yet, so the retry dials a fresh one.
         self._reset = reset
+        self._negotiated = False
 
     def __repr__(self) -> str:
         return f"<NodeDocker {self.node}>"
@@ -123,6 +174,8 @@ class NodeDocker:
         """Run one SDK call; a dropped connection is retried once when ``retry`` is set."""
         for attempt in (1, 2):
             try:
+                if not self._negotiated:
+                    self._negotiate()
                 return fn()
             except (requests.exceptions.ConnectionError, paramiko.SSHException, EOFError) as exc:
                 if self._reset is not None:
@@ -139,6 +192,28 @@ class NodeDocker:
                 raise
         raise AssertionError("unreachable")
 
+    def _negotiate(self) -> None:
+        """Speak the engine's API version, up to NEWEST_API: asked unversioned, as the docker
+        CLI does, since an engine refuses versions outside its range (29: below 1.44)."""
+        api = self._client.api
+        answer = api.version(api_version=False)
+        newest = str(answer.get("ApiVersion") or API_VERSION)
+        oldest = str(answer.get("MinAPIVersion") or "1.12")
+        if _api_tuple(newest) < _api_tuple(API_VERSION):
+            raise DockerError(
+                self.node,
+                f"Docker on {self.node} is {answer.get('Version', '?')} (API {newest}); "
+                f"vllm-redeploy needs API {API_VERSION} (Docker 20.10) or newer: upgrade Docker",
+            )
+        chosen = min(newest, NEWEST_API, key=_api_tuple)
+        api._version = max(chosen, oldest, key=_api_tuple)
+        self._negotiated = True
+
+    @property
+    def api_version(self) -> str:
+        """The API version spoken to the engine (negotiated at the first call)."""
+        return str(self._client.api._version)
+
     def version(self) -> str:
         return self._call("version", lambda: self._client.version()["Version"])
 
@@ -147,11 +222,12 @@ class NodeDocker:
         return self._call("info", lambda: str(self._client.info().get("CgroupDriver", "")))
 
     def image_id(self, image: str) -> str | None:
-        """The local image ID of ``image``, or None when the node does not have it."""
+        """What ``image`` is on this node, comparable across nodes (see ``content_id``), or
+        None when the node does not have it."""
 
         def lookup() -> str | None:
             try:
-                return self._client.images.get(image).id
+                return content_id(self._client.api.inspect_image(image))
             except docker.errors.ImageNotFound:
                 return None
 
@@ -408,6 +484,28 @@ def _info(container: Container) -> ContainerInfo:
         oom_killed=bool(state.get("OOMKilled")),
         started_at=_docker_time(state.get("StartedAt", "")) if state.get("Running") else None,
     )
+
+
+_CONFIG_KEYS = ("Cmd", "Entrypoint", "Env", "Labels", "User", "WorkingDir")
+
+
+def content_id(inspect: Mapping[str, Any]) -> str:
+    """A digest of what an image is (its layers' content and its configuration), equal on every
+    engine that holds the same image. Not the engine's ``Id``: the classic image store reports
+    the config's digest there, the containerd store (the default on fresh Docker 29 installs)
+    the manifest's (docker/cli#6670), so one image shows two IDs across a cluster mid-upgrade."""
+    what = {
+        "layers": (inspect.get("RootFS") or {}).get("Layers") or [],
+        # What every API version reports alike (newer ones drop Hostname, Image and others).
+        "config": {k: (inspect.get("Config") or {}).get(k) or None for k in _CONFIG_KEYS},
+        "platform": [inspect.get("Os"), inspect.get("Architecture"), inspect.get("Variant")],
+    }
+    data = json.dumps(what, sort_keys=True, separators=(",", ":")).encode()
+    return f"sha256:{hashlib.sha256(data).hexdigest()}"
+
+
+def _api_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split(".") if part.isdigit())
 
 
 def _docker_time(text: str) -> datetime | None:

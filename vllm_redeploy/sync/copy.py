@@ -136,7 +136,8 @@ def copy_image(
     route: Route,
     on_bytes: Progress,
 ) -> Copied:
-    """The source's image, with its tag, onto the target; its ID there equals ``image_id``."""
+    """The source's image, with its tag, onto the target; what it is there (its content ID,
+    comparable across image stores) equals ``image_id``."""
     ref = config.vllm.image
     started = time.monotonic()
     if route.direct:
@@ -144,7 +145,7 @@ def copy_image(
         script = _pipeline(send, config, target, "docker load")
         argv = ["bash", "-c", script, "bash", ref]
         moved = _direct(source, target, argv, None, on_bytes, _docker_env(source))
-        moved = max(moved, source.docker.image_size(image_id))  # the last count is a sample
+        moved = max(moved, source.docker.image_size(ref))  # the last count is a sample
     else:
         moved = _relay(
             source.runner.start(
@@ -326,10 +327,11 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
-def planned_bytes(source: NodeAccess, need: SyncNeed, image_id: str | None) -> int:
-    """What copying ``need`` streams: the image's size unpacked, and the model files'."""
-    image = source.docker.image_size(image_id) if need.image and image_id else 0
-    return image + need.model_bytes
+def planned_bytes(source: NodeAccess, need: SyncNeed, image: str | None) -> int:
+    """What copying ``need`` streams: the image's size unpacked (``image``: the source's tag,
+    None when it has none), and the model files'."""
+    size = source.docker.image_size(image) if need.image and image else 0
+    return size + need.model_bytes
 
 
 def check_room(
@@ -344,7 +346,7 @@ def check_room(
     if need.model_bytes:
         wants.append((config.vllm.model, need.model_bytes, "the model's files"))
     if need.image and image_id:
-        size = source.docker.image_size(image_id)
+        size = source.docker.image_size(config.vllm.image)
         wants.append((target.docker.root_dir(), size, f"the image {config.vllm.image}"))
     for path, size, what in wants:
         free = disk_room(target, path)
