@@ -6,6 +6,7 @@ import contextlib
 import io
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.launch.caches import cache_owner, own_cache_spec
 from vllm_redeploy.nodes import (
     CommandFailed,
+    CommandTimedOut,
     ContainerSpec,
     LocalRunner,
     NodeDocker,
@@ -24,6 +26,7 @@ from vllm_redeploy.nodes import (
 )
 from vllm_redeploy.nodes.containers import LABEL_CLUSTER
 from vllm_redeploy.nodes.docker import node_docker_for
+from vllm_redeploy.nodes.ssh import MAX_CHANNELS
 
 pytestmark = pytest.mark.integration
 
@@ -160,6 +163,27 @@ def test_exec_runs_argv_in_the_container(node_docker: NodeDocker, engine) -> Non
     assert runner.run(["echo", "$(id)"], timeout=10).stdout == "$(id)\n"
     with pytest.raises(CommandFailed):
         runner.run(["false"], timeout=10)
+
+
+def test_execs_give_their_channels_back(
+    ssh_runner: SSHRunner,
+    engine,  # type: ignore[no-untyped-def]
+) -> None:
+    """Each exec streams on a channel of its own (an upgraded HTTP connection): once it ends,
+    finished or past its timeout, the channel's place is free again, so the node's plain
+    commands never wait behind execs that are over."""
+    name = _unique("execs")
+    _autostart(engine, name)
+    node = node_docker_for(ssh_runner)
+    runner = node.exec_runner(name)
+    for _ in range(MAX_CHANNELS + 2):
+        assert runner.run(["echo", "hi"], timeout=10).stdout == "hi\n"
+    for _ in range(MAX_CHANNELS + 2):
+        with pytest.raises(CommandTimedOut):
+            runner.run(["sh", "-c", "echo a; sleep 0.3; echo b; sleep 5"], timeout=0.2)
+    answered = ThreadPoolExecutor(1).submit(ssh_runner.run, ["echo", "free"], timeout=10)
+    assert answered.result(timeout=20).stdout == "free\n"
+    node.close()
 
 
 def test_docker_over_ssh_survives_a_dropped_connection(

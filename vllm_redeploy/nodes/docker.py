@@ -422,13 +422,20 @@ class NodeDocker:
 
         def run() -> tuple[int | None, bool]:
             exec_id = api.exec_create(container, list(argv), environment=env or None)["Id"]
-            for out, err in api.exec_start(exec_id, stream=True, demux=True):
-                if out:
-                    capture.feed("stdout", out)
-                if err:
-                    capture.feed("stderr", err)
-                if time.monotonic() > deadline:
-                    return None, True
+            stream = api.exec_start(exec_id, stream=True, demux=True)
+            try:
+                for out, err in stream:
+                    if out:
+                        capture.feed("stdout", out)
+                    if err:
+                        capture.feed("stderr", err)
+                    if time.monotonic() > deadline:
+                        return None, True
+            finally:
+                # The upgraded connection is never handed back to the pool, and the SDK's own
+                # close() refuses SSH: close its response, which closes the connection and gives
+                # its channel's place back (else each exec would keep one until exhausted).
+                stream._response.close()
             return api.exec_inspect(exec_id)["ExitCode"], False
 
         return self._call(f"exec in {container}", run, retry=False)
