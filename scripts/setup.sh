@@ -77,6 +77,8 @@ sbin_have sshd || need openssh-server "an sshd binary: each emulated node runs i
 have ssh-keygen || need openssh-client "ssh-keygen: host and client keys for the bed"
 static_busybox || need busybox-static "a static busybox: registry-free images for the bed"
 have ps && have pkill || need procps "ps, pkill"
+have sudo || need sudo "sudo: the bed's nodes log in as a user that is not root"
+[ -x /usr/bin/python3 ] || need python3-minimal "the bed's host tools, run as its login"
 have ip && have ss || need iproute2 "ip, ss: the bed's fabric interfaces and port checks"
 [ -r /etc/ssl/certs/ca-certificates.crt ] || need ca-certificates "pip over https"
 works python3 -m venv --help && works python3 -c 'import ensurepip' ||

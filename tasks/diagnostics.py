@@ -52,8 +52,15 @@ def _gpu_processes(access: NodeAccess) -> str:
 
 
 def _kernel_oom(access: NodeAccess) -> str:
-    """Kernel OOM lines, where the login user may read the kernel log."""
-    dmesg = access.runner.run(["dmesg", "--level=err,warn"], check=False)
+    """Kernel OOM lines, where the login may read the kernel log: itself, or through `sudo -n`
+    (Ubuntu restricts it to root: kernel.dmesg_restrict = 1)."""
+    argv = ["dmesg", "--level=err,warn"]
+    dmesg = access.runner.run(argv, check=False)
+    if not dmesg.ok and not access.root().is_root:
+        dmesg = access.runner.run(["sudo", "-n", *argv], check=False)
+    if not dmesg.ok:
+        why = one_line(((dmesg.stderr or dmesg.stdout).strip().splitlines() or ["no output"])[-1])
+        return f"### kernel OOM lines\n(the kernel log could not be read: {why})"
     oom = [line for line in dmesg.stdout.splitlines() if "oom" in line.lower()][-10:]
     return "### kernel OOM lines\n" + fenced("\n".join(oom)) if oom else ""
 

@@ -54,12 +54,24 @@ def busy_ports(run: Run, plan: LaunchPlan) -> list[str]:
             f"code {result.exit_code} ({one_line(why[0])}); it comes with iproute2: install it "
             "on the node",
         )
-    busy = []
-    for port, label in ports.items():
-        lines = [x for x in result.stdout.splitlines() if _listens(x, config.head.ip, port)]
-        if lines:
-            busy.append(f"{label} {port} is in use by a process that is not ours{_owners(lines)}")
-    return busy
+    found = {
+        port: [x for x in result.stdout.splitlines() if _listens(x, config.head.ip, port)]
+        for port in ports
+    }
+    hidden = any(lines and not _owners(lines) for lines in found.values())
+    if hidden and not run.head.root().is_root:
+        # `ss -p` shows a user only its own processes: root's view, where sudo -n allows it.
+        again = run.head.runner.run(["sudo", "-n", *result.argv], check=False)
+        if again.ok:
+            found = {
+                port: [x for x in again.stdout.splitlines() if _listens(x, config.head.ip, port)]
+                for port in ports
+            }
+    return [
+        f"{label} {port} is in use by a process that is not ours{_owners(found[port])}"
+        for port, label in ports.items()
+        if found[port]
+    ]
 
 
 def _listens(ss_line: str, ip: str, port: int) -> bool:

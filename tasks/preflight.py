@@ -6,6 +6,7 @@ builds the launch plan from what was found."""
 from __future__ import annotations
 
 import contextvars
+import shlex
 import time
 from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ from prefect.cache_policies import INPUTS, RUN_ID
 
 from tasks.context import RETRY_TRANSIENT, Run, StepFailed, log
 from tasks.image_facts import image_facts
+from tasks.stop_autostart import root_commands
 from vllm_redeploy.launch import (
     ImageEntrypoint,
     LaunchPlan,
@@ -31,6 +33,7 @@ from vllm_redeploy.nodes import (
     HostKeyRejected,
     NodeUnreachable,
 )
+from vllm_redeploy.nodes.privilege import SUDOERS_FILE, refused_as_root, sudoers_line
 from vllm_redeploy.parsers.fabric import FABRIC_ARGV, FabricFacts, parse_fabric
 from vllm_redeploy.safe_text import one_line
 from vllm_redeploy.sync import Manifest, manifest_argv, parse_manifest
@@ -54,6 +57,7 @@ class NodeFacts:
     entrypoint: ImageEntrypoint | None = None  # the image's (read on the head only)
     image_user: str | None = None  # the image's USER, "" for root (read on the head only)
     model: Manifest | None = None  # the model directory's files (size, mtime)
+    root_problem: str | None = None  # why the login cannot run what needs root there
 
     @property
     def notes(self) -> list[str]:
@@ -111,7 +115,8 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
     # Fabric IPs set by hand are lost at reboot; `ip route get` tells, without sending anything,
     # whether the node still owns its fabric IP ("local ..." when it does).
     ip = run.node_config(name).ip
-    background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="preflight")
+    background = ThreadPoolExecutor(max_workers=3, thread_name_prefix="preflight")
+    root = background.submit(root_problem, run, name)
     asked = background.submit(
         access.runner.run_all,
         [
@@ -161,6 +166,27 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
         facts.entrypoint if facts else None,
         facts.user if facts else None,
         manifest,
+        root.result(),
+    )
+
+
+def root_problem(run: Run, name: str) -> str | None:
+    """Why the node's login cannot run as root what the run will ask of it there; None when
+    it can (it is root, or `sudo -n` allows each command)."""
+    commands = root_commands(run.config)
+    if not commands:
+        return None
+    access = run.node(name)
+    root = access.root()
+    refusal = refused_as_root(access.runner, root, commands)
+    if refusal is None:
+        return None
+    refused = ", ".join(f"`{shlex.join(root.command(c))}`" for c in refusal.commands)
+    return (
+        f"{name}: stopping the [autostart] units needs root, the login {root.user} is not root, "
+        f"and `sudo -n` refuses {refused} ({refusal.reason}). Allow exactly these commands "
+        f"there (`sudo visudo -f {SUDOERS_FILE}`) with the line "
+        f"`{sudoers_line(root, commands)}`, or log in as root (nodes[].ssh_user)"
     )
 
 
@@ -188,6 +214,8 @@ def preflight_problems(
                 f"{f.node}: the fabric IP {ip} is not assigned on the node (addresses set by "
                 "hand are lost at reboot): add it again, or fix the node's fabric_ip"
             )
+        if f.root_problem:
+            problems.append(f.root_problem)
         if not f.model_present and not copied:
             problems.append(f"{f.node}: the model directory {config.vllm.model} does not exist")
     ids = {f.image_id for f in facts if f.image_id and f.node not in syncing}

@@ -6,12 +6,14 @@ Nothing else is touched: other containers stay, and no file is removed.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import RETRY_TRANSIENT, Run, log
+from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.nodes.containers import ContainerInfo, cluster_labels
 from vllm_redeploy.safe_text import shown
 
@@ -62,33 +64,51 @@ def stop_autostart(run: Run, name: str) -> StopReport:
     return report
 
 
+def stop_argv(unit: str) -> list[str]:
+    return ["systemctl", "stop", unit]
+
+
+def disable_argv(unit: str) -> list[str]:
+    # --no-reload: `disable` reloads systemd itself, which under Docker's systemd cgroup driver
+    # takes the GPUs from every running container on the node.
+    return ["systemctl", "disable", "--no-reload", unit]
+
+
+def root_commands(config: ClusterConfig) -> list[list[str]]:
+    """What this step may run as root on a node: one command per unit, so that a sudoers line
+    can allow exactly them (which units run changes from night to night)."""
+    units = config.autostart.units
+    disable = [disable_argv(u) for u in units] if config.autostart.disable_units else []
+    return [*(stop_argv(u) for u in units), *disable]
+
+
 def _stop_units(run: Run, name: str) -> list[str]:
-    """Stop the configured units that run, all in one `systemctl stop` (systemd stops them
-    side by side); which run, from one `systemctl is-active` (a line per unit, in order)."""
+    """Stop the configured units that run, side by side (a `systemctl stop` each, as root);
+    which run, from one `systemctl is-active` (a line per unit, in order)."""
     units = run.config.autostart.units
     if not units:
         return []
-    runner = run.node(name).runner
+    access = run.node(name)
+    runner = access.runner
     states = runner.run(["systemctl", "is-active", *units], check=False).stdout.split()
     if len(states) != len(units):  # not one line per unit: ask for each
         states = [
             runner.run(["systemctl", "is-active", u], check=False).stdout.strip() for u in units
         ]
     running = [u for u, state in zip(units, states, strict=True) if state in ACTIVE_STATES]
-    if running:
-        runner.run(["systemctl", "stop", *running], timeout=120)
+    root = access.root()
+    with ThreadPoolExecutor(max_workers=max(len(running), 1)) as pool:
+        list(pool.map(lambda u: runner.run(root.argv(stop_argv(u)), timeout=120), running))
     return running
 
 
 def _disable_units(run: Run, name: str) -> list[str]:
-    runner = run.node(name).runner
+    access = run.node(name)
     disabled = []
     for unit in run.config.autostart.units:
-        enabled = runner.run(["systemctl", "is-enabled", unit], check=False)
+        enabled = access.runner.run(["systemctl", "is-enabled", unit], check=False)
         if enabled.stdout.strip() == "enabled":
-            # --no-reload: `disable` reloads systemd itself, which under Docker's systemd
-            # cgroup driver takes the GPUs from every running container on the node.
-            runner.run(["systemctl", "disable", "--no-reload", unit], timeout=60)
+            access.runner.run(access.root().argv(disable_argv(unit)), timeout=60)
             disabled.append(unit)
     return disabled
 

@@ -214,7 +214,8 @@ def test_each_node_has_a_private_etc_that_survives_a_reboot(
 ) -> None:
     marker = f"vrd-{uuid.uuid4().hex[:8]}"
     one, two = access["node-1"].runner, access["node-2"].runner
-    one.run(["sh", "-c", f"echo node-1 > /etc/{marker}; touch /usr/local/{marker}"], timeout=10)
+    script = f"echo node-1 > /etc/{marker}; touch /usr/local/{marker}"
+    one.run(["sudo", "-n", "sh", "-c", script], timeout=10)  # the login is not root
     assert two.run(["cat", f"/etc/{marker}"], timeout=10, check=False).exit_code == 1
     assert not Path("/etc", marker).exists() and not Path("/usr/local", marker).exists()
     bed.node("node-1").memory.fill_cache(10)

@@ -32,6 +32,7 @@ from deployments.install_notifier import (
 )
 from deployments.webhook import SECRET_ENV, running_webhook
 from tests.test_webhook import make_config, wait_for_event
+from tests.testbed import users
 from tests.testbed.bed import TestBed
 from tests.testbed.node import EmulatedNode
 from tests.testbed.procs import free_port, wait_until
@@ -42,6 +43,7 @@ from vllm_redeploy.nodes.runner import OutputCapture
 pytestmark = pytest.mark.integration
 
 NODE = "node-2"
+SUDO_ALL = "/etc/sudoers.d/50-notifier-install"
 SCRIPT = Path(__file__).resolve().parents[1] / "deployments" / "notifier" / "notify.py"
 PYTHON = "/usr/bin/python3"  # what the unit's ExecStart runs
 
@@ -90,6 +92,7 @@ def _clean(node: EmulatedNode) -> None:
     """Nothing of the notifier left on the node: its unit off and gone, its files removed."""
     node.systemctl("disable", "--now", UNIT_NAME)
     node.run(["rm", "-rf", "/etc/vllm-redeploy", "/usr/local/lib/vllm-redeploy", f"/{UNIT_PATH}"])
+    node.run(["rm", "-f", SUDO_ALL])
     node.systemctl("daemon-reload")
 
 
@@ -111,6 +114,9 @@ def setup(
     assert secret not in path.read_text()
     node = bed.node(NODE)
     _clean(node)
+    # Installing writes /etc and /usr/local and runs systemctl: the operator who installs it
+    # may use sudo there (the bed's node-2 allows only the old stack's unit by default).
+    node.write_file(SUDO_ALL, f"{users.LOGIN} ALL=(ALL) NOPASSWD: ALL\n", mode=0o440)
     sender = EventSender(prefect_api)
     try:
         with running_webhook(config, sender, port=port):
@@ -141,6 +147,7 @@ def test_install_is_idempotent_and_keeps_the_secret_off_argv(setup: Setup) -> No
     with runner:
         first = install_notifier(setup.config, NODE, runner=runner)
     assert first == [
+        "using sudo -n (the SSH user is not root)",  # the login is nvidia, as on a Spark
         "notify.py: written (new)",
         f"{UNIT_NAME}: written (new)",
         "notifier.env: written (new)",
@@ -174,6 +181,7 @@ def test_install_is_idempotent_and_keeps_the_secret_off_argv(setup: Setup) -> No
     assert sum(secret in (stdin or b"") for _, _, stdin in runner.calls) == 1
 
     assert install_command(setup) == [
+        "using sudo -n (the SSH user is not root)",
         "notify.py: unchanged",
         f"{UNIT_NAME}: unchanged",
         "notifier.env: unchanged",
@@ -185,6 +193,7 @@ def test_install_is_idempotent_and_keeps_the_secret_off_argv(setup: Setup) -> No
     node.run(["sh", "-c", f"echo MAX_WAIT_S=5 >> /{ENV_PATH} && chmod 644 /{SECRET_PATH}"])
     third = install_notifier(setup.config, NODE)
     assert third == [
+        "using sudo -n (the SSH user is not root)",
         "notify.py: unchanged",
         f"{UNIT_NAME}: unchanged",
         "notifier.env: written (changed)",

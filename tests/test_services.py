@@ -314,12 +314,15 @@ class Controller:
 
 
 def _install_command(cluster_toml: Path) -> list[str]:
-    return [str(BIN / "vllm-redeploy"), "install-controller", "-c", str(cluster_toml), "--enable"]
+    # As the operator runs it on a node whose login is not root (README): through sudo.
+    install = [str(BIN / "vllm-redeploy"), "install-controller", "-c", str(cluster_toml)]
+    return ["sudo", "-n", *install, "--enable"]
 
 
 def _append(runner: Runner, path: str, text: str) -> None:
-    """Edit a file on the node as its operator would; the text travels on stdin."""
-    runner.run(["sh", "-c", 'cat >> "$1"', "sh", path], stdin=text.encode(), timeout=10)
+    """Edit a file on the node as its operator would (sudo); the text travels on stdin."""
+    script = ["sh", "-c", 'cat >> "$1"', "sh", path]
+    runner.run(["sudo", "-n", *script], stdin=text.encode(), timeout=10)
 
 
 def _remove_controller(node: EmulatedNode) -> None:

@@ -21,8 +21,9 @@ from prefect.states import State
 
 from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import keep_for_notes, make_bed
-from tests.testbed import image
+from tests.testbed import image, users
 from tests.testbed.bed import TestBed
+from tests.testbed.node import EmulatedNode
 from vllm_redeploy.config import load_config
 from vllm_redeploy.nodes import NodeAccess
 from vllm_redeploy.sync import SyncFailed, copy_image, plan_sync, route_between, survey
@@ -53,7 +54,16 @@ def own_model(bed: TestBed, name: str, shards: int = 3) -> tuple[Path, dict[str,
     for i in range(1, shards + 1):
         shard = own["node-1"] / f"model-{i:05d}-of-{shards:05d}.safetensors"
         shard.write_bytes(os.urandom(SHARD))
+    as_login(own["node-1"])
     return path, own
+
+
+def as_login(*paths: Path) -> None:
+    """What a test wrote on a node's disk belongs to its login, as what the user put there does."""
+    uid, gid = users.login_ids()
+    for top in paths:
+        for path in [top, *top.rglob("*")]:
+            os.chown(path, uid, gid, follow_symlinks=False)
 
 
 def config_for(bed: TestBed, name: str, model: Path, image: str = "", **sections: dict) -> Path:
@@ -92,6 +102,16 @@ def image_id(bed: TestBed, node: str, ref: str) -> str | None:
 def untag(bed: TestBed, node: str, ref: str) -> None:
     with contextlib.closing(bed.node(node).engine.client()) as client:
         client.images.remove(ref, force=True, noprune=True)  # a running group keeps it
+
+
+def login_ssh(node: EmulatedNode, bed: TestBed) -> dict[str, str]:
+    """The node's login given the bed's key and known hosts in its ~/.ssh, as the user who
+    set up the nodes' SSH between them has: [sync]'s ssh_key_file and known_hosts."""
+    ssh = f"/home/{users.LOGIN}/.ssh"
+    node.write_file(f"{ssh}/id_ed25519", bed.client_key.read_text(), mode=0o600)
+    node.write_file(f"{ssh}/known_hosts", bed.known_hosts.read_text(), mode=0o644)
+    node.run(["chown", "-R", f"{users.LOGIN}:{users.LOGIN}", ssh])
+    return {"ssh_key_file": f"{ssh}/id_ed25519", "known_hosts": f"{ssh}/known_hosts"}
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -157,6 +177,7 @@ def test_a_cut_copy_fails_keeps_what_the_node_had_and_the_next_one_resumes(
     older = own["node-2"] / "model-00002-of-00003.safetensors"
     older.write_bytes(b"an earlier download")
     (own["node-2"] / "mine.txt").write_text("only node-2 has this\n")
+    as_login(own["node-2"])
     config = load_config(config_for(bed, "cut", model), env_file=None)
     node2 = bed.node("node-2")
 
@@ -243,7 +264,7 @@ def test_the_source_copies_straight_to_the_target_when_it_can_ssh_there(sync_bed
     bed = sync_bed
     model, own = own_model(bed, "direct", shards=2)
     untag(bed, "node-2", bed.vllm_image)
-    direct = {"ssh_key_file": str(bed.client_key), "known_hosts": str(bed.known_hosts)}
+    direct = login_ssh(bed.node("node-1"), bed)
     path = config_for(bed, "direct", model, sync=direct)
     done = cli("sync", "-c", str(path))
     keep_for_notes("sync-cli-direct", done.stdout)
@@ -257,6 +278,7 @@ def test_verify_finds_a_file_that_only_looks_the_same(sync_bed: TestBed) -> None
     bed = sync_bed
     model, own = own_model(bed, "verify", shards=2)
     shutil.copytree(own["node-1"], own["node-2"])  # copy2: same sizes and times
+    as_login(own["node-2"])
     shard = own["node-2"] / "model-00002-of-00002.safetensors"
     stat = shard.stat()
     with shard.open("r+b") as f:  # one flipped byte: size and time say nothing

@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +24,7 @@ from vllm_redeploy.nodes import (
     NodeAccess,
 )
 from vllm_redeploy.nodes.containers import LABEL_CLUSTER
+from vllm_redeploy.nodes.result import CommandResult
 
 pytestmark = pytest.mark.integration
 
@@ -89,8 +91,11 @@ def test_the_old_stack_autostarts_on_every_node(access: dict[str, NodeAccess]) -
 def test_systemctl_standin_stops_and_disables_like_systemd(
     access: dict[str, NodeAccess], bed: TestBed
 ) -> None:
-    node = access["node-2"]
-    run = node.runner.run
+    node = access["node-1"]  # its login may use sudo: systemd obeys root only
+
+    def run(argv: list[str], **options: Any) -> CommandResult:
+        return node.runner.run(["sudo", "-n", *argv], **options)
+
     try:
         run(["systemctl", "stop", "glm-server.service"], timeout=20)
         assert (
@@ -182,7 +187,9 @@ def test_nvidia_smi_on_each_node_shows_that_nodes_gpu_processes(
 
 def test_the_bed_command_line_brings_a_bed_up_and_removes_it() -> None:
     # Not tmp_path: containerd's socket path under the root must stay below 108 bytes.
-    root = Path(tempfile.mkdtemp(prefix="vrd-cli-", dir="/tmp")) / "b"
+    top = Path(tempfile.mkdtemp(prefix="vrd-cli-", dir="/tmp"))
+    top.chmod(0o755)  # the nodes' login reaches the bed below it
+    root = top / "b"
     bed = [sys.executable, "-m", "tests.testbed", "--root", str(root)]
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.testbed import fabric, image, real_vllm
+from tests.testbed import fabric, image, real_vllm, users
 from tests.testbed.node import EmulatedNode, NodeSpec
 from tests.testbed.sshd import keygen
 
@@ -90,6 +90,10 @@ class TestBed:
     def model_dir(self) -> Path:
         return self.root / "models" / SERVED_NAME
 
+    @property
+    def real_model_dir(self) -> Path:
+        return self.root / "models" / "tiny-qwen3"
+
     def node(self, name: str) -> EmulatedNode:
         for node in self.nodes:
             if node.name == name:
@@ -111,12 +115,15 @@ class TestBed:
         vllm_image: str = image.BED_IMAGE,
         rdma: Mapping[str, str] | None = None,
         docker29: Sequence[str] = (),
+        sudo: Mapping[str, str] | None = None,
     ) -> TestBed:
         """Bring up ``nodes`` nodes at NET.<first_ip>, <first_ip + 1>, ...; beds at other
         addresses can run side by side (Ray and the API bind the nodes' own addresses).
         ``rdma``: node name -> a tests.testbed.fabric preset, e.g. {"node-1": "both"}.
         ``docker29``: the nodes whose engine answers as Docker 29 (tests.testbed.docker29), as
-        in a cluster upgraded in part."""
+        in a cluster upgraded in part. ``sudo``: node name -> what its login ``nvidia`` may do
+        with `sudo -n` (tests.testbed.users): by default all on node-1, on the others only
+        stopping and disabling the old stack's unit."""
         if not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"--nodes must be 1..{MAX_NODES}, got {nodes}")
         rdma = dict(rdma or {})
@@ -130,11 +137,18 @@ class TestBed:
         started = time.monotonic()
         fabric.sweep()  # interfaces a killed session's RDMA bed left could hold our addresses
         shutil.rmtree(root, ignore_errors=True)
+        blocked = [p for p in root.parents if p.exists() and not p.stat().st_mode & 0o001]
+        if blocked:
+            raise ValueError(f"bed root {root}: {blocked[0]} is closed to others (the login)")
         root.mkdir(parents=True)
+        root.chmod(0o755)  # the nodes' login reaches their sockets, tools and GPU state below
+        sudo = {"node-1": "all", **(sudo or {})}
         bed = cls(root=root, gpu=gpu, vllm_image=vllm_image)
         keygen(bed.client_key)
         bed.model_dir.mkdir(parents=True)
         (bed.model_dir / "config.json").write_text('{"architectures": ["Qwen3_5MoeForCausalLM"]}\n')
+        if vllm_image == real_vllm.IMAGE:  # on the nodes' disk: the install's home is closed
+            shutil.copytree(real_vllm.model_dir(), bed.real_model_dir)
         bed.nodes = [
             EmulatedNode(
                 NodeSpec(
@@ -145,6 +159,7 @@ class TestBed:
                     rdma=rdma.get(f"node-{i}", ""),
                     rdma_state=str(root / "rdma" / f"{bed_ip(first_ip + i - 1)}.json"),
                     docker29=f"node-{i}" in docker29,
+                    sudo=sudo.get(f"node-{i}", "units"),
                 )
             )
             for i in range(1, nodes + 1)
@@ -198,10 +213,10 @@ class TestBed:
             # On the head the old server holds the API port, as the previous model's did.
             serve = ["busybox", "httpd", "-f", "-p", f"{node.ip}:{API_PORT}"]
             command = serve if node is self.nodes[0] else ["sleep", "999999"]
-            node.define_unit("glm-server.service", "glm-server", image.OLD_STACK_IMAGE, command)
-            started = node.systemctl("start", "glm-server.service")
+            node.define_unit(image.OLD_STACK_UNIT, "glm-server", image.OLD_STACK_IMAGE, command)
+            started = node.systemctl("start", image.OLD_STACK_UNIT)
             if started.returncode != 0:
-                raise RuntimeError(f"{node.name}: glm-server.service: {started.stderr.strip()}")
+                raise RuntimeError(f"{node.name}: {image.OLD_STACK_UNIT}: {started.stderr.strip()}")
             with contextlib.closing(node.engine.client()) as client:
                 client.containers.run(
                     image.OLD_STACK_IMAGE,
@@ -258,7 +273,7 @@ class TestBed:
                     "name": n.name,
                     "address": n.ip,
                     "ssh_port": n.spec.ssh_port,
-                    "ssh_user": "root",
+                    "ssh_user": users.LOGIN,
                     "gpus": 1,
                 }
                 for n in self.nodes
@@ -300,7 +315,7 @@ class TestBed:
                 "object_store_bytes": 78643200,  # Ray's smallest
                 "extra_args": ["--num-cpus=1"],
             },
-            "autostart": {"containers": ["glm-*"], "units": ["glm-server.service"]},
+            "autostart": {"containers": ["glm-*"], "units": [image.OLD_STACK_UNIT]},
             "deadlines": {
                 "model_load_s": 120,
                 "nodes_reachable_s": 60,
@@ -309,7 +324,7 @@ class TestBed:
             },
         }
         if self.vllm_image == real_vllm.IMAGE:
-            return real_vllm.settings(settings)
+            return real_vllm.settings(settings, self.real_model_dir)
         return settings
 
     def write_config(self, path: Path | None = None, **changes: dict[str, Any]) -> Path:

@@ -284,6 +284,8 @@ class Gate:
         self.listen.unlink(missing_ok=True)
         server = await asyncio.start_unix_server(self._client, str(self.listen), limit=_LIMIT)
         os.chmod(self.listen, 0o660)
+        upstream = os.stat(self.upstream)  # the engine's own socket: its group (docker) reaches it
+        os.chown(self.listen, upstream.st_uid, upstream.st_gid)
         async with server:
             await server.serve_forever()
 

@@ -34,6 +34,7 @@ VLLM_OPENAI_IMAGE = "vrd-bed/vllm-openai:1"
 NGC_IMAGE = "vrd-bed/ngc-vllm:1"
 NO_RAY_IMAGE = "vrd-bed/vllm-openai-noray:1"
 OLD_STACK_IMAGE = "vrd-bed/old-stack:1"  # busybox: what the previous model's stack runs
+OLD_STACK_UNIT = "glm-server.service"  # what the previous stack starts at boot
 NGC_ENTRYPOINT = "/opt/nvidia/nvidia_entrypoint.sh"
 # NGC's script puts the CUDA forward-compatibility libraries first on the library path; on a GB10
 # (a driver older than the image's CUDA) vLLM fails FlashInfer's JIT without them.

@@ -3,8 +3,9 @@
 A holder process per node (``unshare --mount --ipc --propagation private``; the node's root is in
 its argv, so procs.sweep_abandoned finds it after a killed session) mounts, in its namespace only:
 
-- /etc and /usr/local: overlays on the host's whose upper dirs live under the node's root, so
-  what is written there stays on that node, across reboots, like a disk;
+- /etc, /usr/local and /home: overlays on the host's whose upper dirs live under the node's root,
+  so what is written there stays on that node, across reboots, like a disk (its accounts and its
+  login's home: tests.testbed.users);
 - /proc/meminfo and /proc/sys/vm/drop_caches: the node's files (tests.testbed.memory);
 - /proc/sys/kernel/random/boot_id: the node's, new at each of its boots;
 - /dev/shm: a tmpfs of the node's own, new at each boot, with System V IPC of its own: two real
@@ -36,7 +37,7 @@ from tests.testbed import memory
 from tests.testbed.procs import kill_tree
 
 REPO = Path(__file__).resolve().parents[2]
-OVERLAYS = ("/etc", "/usr/local")
+OVERLAYS = ("/etc", "/usr/local", "/home")
 READY = b"ready\n"
 SHM_SIZE = "4g"  # an upper bound: tmpfs takes memory only for what is written
 

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tests.testbed import fabric
+from tests.testbed import fabric, image, users
 from tests.testbed.docker29 import DockerGate
 from tests.testbed.dockerd import DockerEngine
 from tests.testbed.memory import NodeMemory
@@ -32,6 +32,10 @@ from tests.testbed.standins import gpu_state
 STANDINS = Path(__file__).resolve().parent / "standins"
 REPO = STANDINS.parents[2]
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# The host tools' stand-ins run as the node's login too: with an interpreter it may run (this
+# one's may sit below /root, which is 0700) from a copy below the node's root (the repository
+# may be unreadable to others).
+HOST_PYTHON = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
 
 
 @dataclass
@@ -51,6 +55,7 @@ class NodeSpec:
     ns_pid: int = 0  # the holder of its mount namespace (0: powered off)
     docker29: bool = False  # its engine answers as Docker 29 (tests.testbed.docker29)
     gate_pid: int = 0
+    sudo: str = "all"  # what its login may do with `sudo -n` (tests.testbed.users)
 
 
 class EmulatedNode:
@@ -135,10 +140,14 @@ class EmulatedNode:
         }
 
     def create(self, gpu_profile: str, gpus: int) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.chmod(0o755)  # the login reaches its Docker socket and tools below it
         gpu_state.write_config(self.gpu_dir, gpu_profile, gpus)
         ns = self.namespace
         self.memory.create(gpu_profile, ns.meminfo_file, ns.drop_caches_file)
         self.bin_dir.mkdir(parents=True, exist_ok=True)
+        standins = self.root / "standins"
+        shutil.copytree(STANDINS, standins, ignore=shutil.ignore_patterns("__pycache__"))
         tools = (
             ("nvidia-smi", "nvidia_smi.py"),
             ("systemctl", "systemctl.py"),
@@ -152,10 +161,18 @@ class EmulatedNode:
                 f"export VRD_GPU_STATE={self.gpu_dir} VRD_RDMA_STATE={self.rdma_state}\n"
                 f"export VRD_SYSTEMD_RUN={self.systemd_dir} VRD_JOURNAL={self.journal_dir}\n"
                 f"export VRD_NODE_NAME={self.name}\n"
-                f'exec {sys.executable} {STANDINS / script} "$@"\n'
+                f'exec {HOST_PYTHON} {standins / script} "$@"\n'
             )
             wrapper.chmod(0o755)
         self._create_systemd()
+        users.write_login(
+            ns.upper("/etc"),
+            ns.upper("/home"),
+            self.spec.sudo,
+            self.bin_dir,
+            [image.OLD_STACK_UNIT],
+            SYSTEM_PATH,
+        )
         keygen(self.root / "ssh_host_ed25519_key")
 
     def _create_systemd(self) -> None:
@@ -250,12 +267,16 @@ class EmulatedNode:
     def own_dir(self, path: Path, tmpfs_size: str | None = None) -> Path:
         """Make ``path`` this node's own until it powers off, as a directory on a disk of its
         own: a directory under its root (returned: the host's view of it) bind-mounted there in
-        its namespace, or, with ``tmpfs_size``, a small filesystem (a disk nearly full)."""
+        its namespace, or, with ``tmpfs_size``, a small filesystem (a disk nearly full). It
+        belongs to the node's login, as a user's own disk does."""
         own = self.root / "own" / str(path).strip("/").replace("/", "-")
         own.mkdir(parents=True, exist_ok=True)
+        uid, gid = users.login_ids()
+        os.chown(own, uid, gid)
         path.mkdir(parents=True, exist_ok=True)
         if tmpfs_size:
-            mount = ["mount", "-t", "tmpfs", "-o", f"size={tmpfs_size}", "tmpfs", str(path)]
+            options = f"size={tmpfs_size},uid={uid},gid={gid},mode=0755"
+            mount = ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)]
         else:
             mount = ["mount", "--bind", str(own), str(path)]
         done = self.run(mount)

@@ -50,11 +50,12 @@ def missing() -> str | None:
     return None
 
 
-def settings(data: dict[str, Any]) -> dict[str, Any]:
-    """The bed's cluster settings made to run the real engine: its model, its install mounted,
-    the mp backend, and what a 2-core machine needs."""
+def settings(data: dict[str, Any], model: Path) -> dict[str, Any]:
+    """The bed's cluster settings made to run the real engine: its model (the bed's copy
+    ``model``: the login cannot reach into root's home, where the install lives), its install
+    mounted, the mp backend, and what a 2-core machine needs."""
     vllm = data["vllm"]
-    vllm["model"] = str(model_dir())
+    vllm["model"] = str(model)
     vllm["backend"] = "mp"
     vllm["volumes"] = [*vllm["volumes"], f"{home()}:{home()}:ro"]
     vllm["env"] = {

@@ -23,7 +23,7 @@ def keygen(path: Path, kind: str = "ed25519") -> Path:
 
 @dataclass
 class SSHServer:
-    """sshd -D on ``host``; accepts ``authorized_key`` for root; ``env`` via SetEnv."""
+    """sshd -D on ``host``; accepts ``authorized_keys`` for any user; ``env`` via SetEnv."""
 
     root: Path
     host: str
@@ -42,7 +42,7 @@ class SSHServer:
             self.host_key = keygen(self.root / "ssh_host_ed25519_key")
         auth = self.root / "authorized_keys"
         auth.write_text("".join(Path(f"{k}.pub").read_text() for k in self.authorized_keys))
-        auth.chmod(0o600)
+        auth.chmod(0o644)  # sshd reads it as the user logging in (public keys only)
         self.port = self.port or free_port(self.host)
         set_env = " ".join(f'"{k}={v}"' for k, v in self.env.items())
         config = self.root / "sshd_config"
@@ -82,11 +82,17 @@ class SSHServer:
         return f"[{self.host}]:{self.port} {kind} {key}\n"
 
     def drop_connections(self) -> int:
-        """Kill every per-connection sshd child (a cut link); the listener stays. Returns count."""
+        """Kill every per-connection sshd (a cut link), with what runs below it: the session
+        process that privilege separation runs as the login, which holds the socket too. The
+        listener stays. Returns how many connections were cut."""
         out = subprocess.run(["pgrep", "-P", str(self.pid)], capture_output=True, text=True)
         pids = [int(p) for p in out.stdout.split()]
-        for pid in pids:
-            subprocess.run(["kill", "-9", str(pid)], check=False)
+        below = list(pids)
+        for pid in below:  # grows as it goes: children, their children, ...
+            found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+            below += [int(p) for p in found.stdout.split()]
+        if below:
+            subprocess.run(["kill", "-9", *map(str, below)], check=False)
         return len(pids)
 
     def stop(self) -> None:

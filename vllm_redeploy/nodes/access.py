@@ -12,6 +12,7 @@ from vllm_redeploy.config import ClusterConfig, NodeConfig
 from vllm_redeploy.nodes.docker import NodeDocker, node_docker_for
 from vllm_redeploy.nodes.errors import RemoteError
 from vllm_redeploy.nodes.local import LocalRunner
+from vllm_redeploy.nodes.privilege import RootAccess, probe_root
 from vllm_redeploy.nodes.runner import Runner
 from vllm_redeploy.nodes.ssh import SSHRunner, SSHTarget
 from vllm_redeploy.parsers.fabric import FABRIC_ARGV, FabricFacts, parse_fabric
@@ -49,6 +50,7 @@ class NodeAccess:
         self.name = node.name
         self.runner = runner_for(node, config)
         self._docker: NodeDocker | None = None
+        self._root: RootAccess | None = None
 
     def __repr__(self) -> str:
         return f"<NodeAccess {self.runner!r}>"
@@ -58,6 +60,12 @@ class NodeAccess:
         if self._docker is None:
             self._docker = node_docker_for(self.runner, self.config.docker_host)
         return self._docker
+
+    def root(self) -> RootAccess:
+        """Who the login is and how it runs a command as root (asked once)."""
+        if self._root is None:
+            self._root = probe_root(self.runner)
+        return self._root
 
     def close(self) -> None:
         if self._docker is not None:

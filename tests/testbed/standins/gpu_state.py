@@ -122,8 +122,9 @@ def live_processes(directory: Path) -> list[GpuProcess]:
                 if data:
                     entries[path.stem] = GpuProcess(**data)
                 continue
-            # Lock was free: the holder died without cleaning up.
-            with contextlib.suppress(FileNotFoundError):
+            # Lock was free: the holder died without cleaning up (only root may clear it: a
+            # user's nvidia-smi just leaves it out).
+            with contextlib.suppress(FileNotFoundError, PermissionError):
                 path.unlink()
         finally:
             os.close(fd)

@@ -12,6 +12,9 @@ and ``disable`` work on the files (``[Install] WantedBy=`` links in /etc/systemd
 reload unless ``--no-reload``; ``--now`` also starts or stops. A started unit's processes run
 detached (supervisor.py); one that exits non-zero leaves the unit "failed".
 
+As a user that is not root, only what asks is allowed: what changes units fails as systemd's
+polkit check fails over SSH ("Interactive authentication required.", exit 1).
+
 Verbs: start, stop, restart, try-restart, is-active, is-failed, is-enabled, enable, disable,
 status, show (-p, --value), cat, daemon-reload, reset-failed. Messages and exit codes follow
 systemd 252: 0; 1 failure; 3 not active (is-active, status); 4 no such unit (status); 5 not
@@ -84,6 +87,29 @@ def parse_args(argv: list[str]) -> Options:
 
 def say(message: str) -> None:
     print(message, file=sys.stderr)
+
+
+# What systemd hands to polkit for a user that is not root: over SSH there is no agent to ask
+# for a password, so each fails at once (with or without --no-ask-password), exit 1.
+MANAGING = {"start", "stop", "restart", "try-restart", "enable", "disable", "daemon-reload",
+            "reset-failed"}  # fmt: skip
+DENIED = "Interactive authentication required."
+
+
+def refuse_unprivileged(verb: str, names: list[str]) -> int:
+    if verb in ("enable", "disable"):
+        say(f"Failed to {verb} unit: {DENIED}")
+    elif verb == "daemon-reload":
+        say(f"Failed to reload daemon: {DENIED}")
+    elif verb == "reset-failed":
+        for name in names:
+            say(f"Failed to reset failed state of unit {name}: {DENIED}")
+    else:
+        verb = "restart" if verb == "try-restart" else verb
+        for name in names:
+            say(f"Failed to {verb} {name}: {DENIED}")
+            say(f"See system logs and 'systemctl status {name}' for details.")
+    return EXIT_FAILURE
 
 
 class Manager:
@@ -441,6 +467,8 @@ def main(argv: list[str]) -> int:
     names = [units.unit_name(n) for n in options.names]
     quiet = "--quiet" in options.flags
     verb = options.verb
+    if verb in MANAGING and os.geteuid() != 0:
+        return refuse_unprivileged(verb, names)
     if verb == "daemon-reload":
         manager.runtime.reload()
         return 0

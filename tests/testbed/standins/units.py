@@ -27,6 +27,8 @@ ENV_RUN = "VRD_SYSTEMD_RUN"
 ETC = "/etc/systemd/system"
 SEARCH_PATH = (ETC, "/usr/local/lib/systemd/system", "/usr/lib/systemd/system")
 SYSTEM_CONF = "/etc/systemd/system.conf"
+# Only root's calls change the manager's files; a user's only ask (systemd loads for them).
+PERSISTS = os.geteuid() == 0
 # systemd's default PATH for system services (built without split /usr).
 EXEC_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin"
 SUFFIXES = (".service", ".target", ".socket", ".timer", ".mount", ".path", ".slice", ".scope")
@@ -458,6 +460,9 @@ class Runtime:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
+        if not PERSISTS:
+            yield
+            return
         with open(self.root / "lock", "a") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             try:
@@ -478,7 +483,8 @@ class Runtime:
 
     def reload(self) -> dict[str, Any]:
         data = scan()
-        write_json(self.snapshot_file, data)
+        if PERSISTS:
+            write_json(self.snapshot_file, data)
         return data
 
     def load_on_demand(self, name: str) -> dict[str, Any]:
@@ -491,7 +497,8 @@ class Runtime:
                 if unit not in data["files"]:
                     data["files"][unit] = entry
                     data["dropins"][unit] = fresh["dropins"].get(unit, [])
-            write_json(self.snapshot_file, data)
+            if PERSISTS:
+                write_json(self.snapshot_file, data)
             return data
 
     def state_file(self, name: str) -> Path:
