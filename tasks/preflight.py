@@ -36,7 +36,7 @@ from vllm_redeploy.nodes import (
 from vllm_redeploy.nodes.privilege import SUDOERS_FILE, refused_as_root, sudoers_line
 from vllm_redeploy.parsers.fabric import FABRIC_ARGV, FabricFacts, parse_fabric
 from vllm_redeploy.safe_text import one_line
-from vllm_redeploy.sync import Manifest, manifest_argv, parse_manifest
+from vllm_redeploy.sync import Manifest, manifest_argv, parse_manifest, unsafe_links
 
 STEP = "preflight"
 REACH_POLL_S = 2.0
@@ -120,10 +120,9 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
     asked = background.submit(
         access.runner.run_all,
         [
-            ["test", "-d", config.vllm.model],
             ["ip", "route", "get", ip],
             list(FABRIC_ARGV),
-            manifest_argv(config.vllm.model),
+            manifest_argv(config.vllm.source),
         ],
         timeout=60,
     )
@@ -136,7 +135,7 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
         # In this task run's context, so that image-facts runs as its child (and its cache).
         image = background.submit(contextvars.copy_context().run, image_facts, run, name, image_id)
     background.shutdown(wait=False)
-    model, route, fabric_out, files = asked.result()
+    route, fabric_out, files = asked.result()
     # "Network is unreachable" (exit 2) is an answer: no address of the node is on that net.
     # A missing or broken `ip` is none: say so, never guess.
     if route.exit_code in (126, 127):
@@ -156,13 +155,13 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
         name,
         version,
         image_id,
-        model.ok,
+        manifest.present,
         facts.ray_path if asked and facts else None,
         waited,
         local,
         asked,
         fabric,
-        manifest.weights_bytes if model.ok else None,
+        manifest.weights_bytes if manifest.present else None,
         facts.entrypoint if facts else None,
         facts.user if facts else None,
         manifest,
@@ -217,7 +216,9 @@ def preflight_problems(
         if f.root_problem:
             problems.append(f.root_problem)
         if not f.model_present and not copied:
-            problems.append(f"{f.node}: the model directory {config.vllm.model} does not exist")
+            problems.append(f"{f.node}: the model is not there: {config.vllm.source.where()}")
+        elif f.model is not None and not copied and (bad := f.model.link_problems()):
+            problems.append(f"{f.node}: {unsafe_links(config, bad)}")
     ids = {f.image_id for f in facts if f.image_id and f.node not in syncing}
     if len(ids) > 1:
         listing = ", ".join(f"{f.node} {str(f.image_id)[:19]}" for f in facts)

@@ -225,7 +225,10 @@ def test_without_nccl_debug_nccl_prints_nothing() -> None:
 def test_a_single_rank_prints_nothing_network_wise(tmp_path: Path) -> None:
     port = free_port("127.0.0.1")
     log = tmp_path / "vllm.log"
-    argv = [sys.executable, "-m", "tests.testbed.standins.vllm_standin", "serve", "m",
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")  # vLLM reads it first
+    argv = [sys.executable, "-m", "tests.testbed.standins.vllm_standin", "serve", str(model),
             "--host", "127.0.0.1", "--port", str(port), "--tensor-parallel-size", "1"]  # fmt: skip
     env = {**os.environ, **NCCL_DEBUG, "VRD_LOAD_SECONDS": "0.2"}
     with log.open("wb") as out:

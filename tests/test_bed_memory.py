@@ -22,7 +22,7 @@ from tests.testbed.memory import BOOT
 from tests.testbed.procs import free_port, wait_until
 from vllm_redeploy.config import ClusterConfig, load_config
 from vllm_redeploy.gpus import inspect_gpus
-from vllm_redeploy.launch.group import engine_container, node_env
+from vllm_redeploy.launch.group import engine_container, model_mounts, node_env
 from vllm_redeploy.launch.ray import (
     engine_spec,
     parse_members,
@@ -250,7 +250,7 @@ def standin_spec(
     ``version`` (by default one that reads MemFree: the page cache is not free)."""
     node = config.nodes[0]
     port = str(free_port(node.ip))
-    serve = ["serve", config.vllm.model, "--host", node.ip, "--port", port,
+    serve = ["serve", config.vllm.source.serve, "--host", node.ip, "--port", port,
              "--gpu-memory-utilization", str(util)]  # fmt: skip
     spec = ContainerSpec(
         name=name("vllm-one"),
@@ -258,7 +258,7 @@ def standin_spec(
         entrypoint=["vllm"],
         command=serve,
         env={**node_env(node, config), "VRD_LOAD_SECONDS": "1", "VRD_VLLM_VERSION": version},
-        volumes=list(config.vllm.volumes),
+        volumes=model_mounts(config),
     )
     return spec, f"http://{node.ip}:{port}"
 

@@ -259,7 +259,7 @@ def test_the_image_without_ray_has_none_but_runs_vllm(plain_bed: TestBed) -> Non
             [str(plain_bed.model_dir), "--host", node.ip, "--port", str(port)],
             name=name,
             environment={"VRD_LOAD_SECONDS": "0"},
-            volumes=image.runtime_mounts(),
+            volumes=[*image.runtime_mounts(), plain_bed.model_mount],
             network_mode="host",
             detach=True,
         )

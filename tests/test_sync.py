@@ -21,7 +21,7 @@ from prefect.states import State
 
 from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import keep_for_notes, make_bed
-from tests.testbed import image, users
+from tests.testbed import hf_cache, image, users
 from tests.testbed.bed import TestBed
 from tests.testbed.node import EmulatedNode
 from vllm_redeploy.config import load_config
@@ -294,3 +294,73 @@ def test_verify_finds_a_file_that_only_looks_the_same(sync_bed: TestBed) -> None
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "model: 1 file(s), 8.4 MB (1 content differs)" in checked.stdout
     assert same_files(own["node-1"], own["node-2"])
+
+
+REPO = "Qwen/Qwen3.5-122B-A10B-FP8"
+
+
+def own_hf_cache(bed: TestBed, name: str) -> tuple[Path, dict[str, Path], Path]:
+    """A Hugging Face cache at the same path on both nodes, on each node's own disk: node-1
+    holds the model as `hf download` leaves it (its snapshot's files link into blobs), node-2
+    nothing. Returns the hub's path, per node where it is seen from here, and node-1's
+    snapshot."""
+    hub = bed.root / f"disk-{name}" / "hub"
+    own = {n.name: n.own_dir(hub.parent) / "hub" for n in bed.nodes}
+    files = {
+        "config.json": b'{"architectures": ["Qwen3_5MoeForCausalLM"]}\n',
+        "model-00001-of-00002.safetensors": os.urandom(SHARD),
+        "model-00002-of-00002.safetensors": os.urandom(SHARD),
+    }
+    snapshot = hf_cache.write_snapshot(own["node-1"], REPO, files)
+    as_login(own["node-1"])
+    return hub, own, snapshot
+
+
+def test_a_model_in_the_hf_cache_reaches_a_node_as_files_and_serves_by_repo_id(
+    sync_bed: TestBed,
+) -> None:
+    bed = sync_bed
+    hub, own, snapshot = own_hf_cache(bed, "hf")
+    path = bed.write_config(
+        bed.root / "hf.toml",
+        vllm={"model": REPO, "hf_cache": str(hub), "env": {"VRD_LOAD_SECONDS": "1"}},
+    )
+    state: State = redeploy_vllm_cluster(str(path), return_state=True)
+    assert state.is_completed(), state.message
+    assert state.result()["probe"]["healthy"]  # both ranks found config.json in the cache
+    theirs = own["node-2"] / snapshot.relative_to(own["node-1"])
+    assert same_files(snapshot, theirs)
+    assert not any(p.is_symlink() for p in theirs.iterdir())  # contents, not links into blobs
+    repo = hf_cache.repo_dir(own["node-2"], REPO)
+    assert (repo / "refs" / "main").read_text() == snapshot.name
+    # Named by its snapshot instead, the same model is already everywhere.
+    pinned = config_for(bed, "hf-pinned", hub / snapshot.relative_to(own["node-1"]))
+    quick = cli("sync", "--model", "-c", str(pinned))
+    assert quick.returncode == 0 and "nothing to copy" in quick.stdout, quick.stdout
+
+
+def test_a_link_out_of_the_model_is_never_copied_and_is_named(sync_bed: TestBed) -> None:
+    bed = sync_bed
+    hub, own, snapshot = own_hf_cache(bed, "hf-escape")
+    (snapshot / "tokenizer.json").symlink_to("/etc/shadow")
+    model = hub / snapshot.relative_to(own["node-1"])
+    done = cli("sync", "--model", "-c", str(config_for(bed, "hf-escape", model)))
+    keep_for_notes("sync-link-outside", done.stdout + done.stderr)
+    assert done.returncode == 1
+    assert (
+        f"snapshots/{snapshot.name}/tokenizer.json links outside the model's directory, to "
+        "/etc/shadow" in done.stderr
+    )
+    assert list(own["node-2"].parent.iterdir()) == []  # nothing was copied
+    (snapshot / "tokenizer.json").unlink()
+    (snapshot / "vocab.json").symlink_to("../../blobs/gone")
+    state: State = redeploy_vllm_cluster(
+        str(config_for(bed, "hf-escape", model, sync={"model": "off"})), return_state=True
+    )
+    assert state.is_failed()
+    message = str(state.result(raise_on_failure=False))
+    assert "preflight" in message  # found before anything was stopped
+    assert (
+        f"node-1: the model in {hf_cache.repo_dir(hub, REPO)} has links that cannot be "
+        f"followed: snapshots/{snapshot.name}/vocab.json is a dangling link"
+    ) in message

@@ -33,11 +33,13 @@ def manifest(**files: tuple[int, int]) -> Manifest:
 
 def test_find_output_becomes_files_and_what_a_cut_copy_left() -> None:
     out = (
-        "config.json\t120\t1700000000.5\n"
-        "model-00001-of-00002.safetensors\t4000\t1700000001.0000000000\n"
-        "sub/model-00002-of-00002.safetensors\t5000\t1700000002.9\n"
-        ".vllm-redeploy-incoming/model-00003.safetensors\t7\t1700000003.0\n"
-        "deep/er/x.safetensors\t99\t1.0\n"
+        "T\t/models/m\n"
+        "F\t./config.json\t120\t1700000000.5\n"
+        "F\t./model-00001-of-00002.safetensors\t4000\t1700000001.0000000000\n"
+        "F\t./sub/model-00002-of-00002.safetensors\t5000\t1700000002.9\n"
+        "F\t./.vllm-redeploy-incoming/model-00003.safetensors\t7\t1700000003.0\n"
+        "F\t./deep/er/x.safetensors\t99\t1.0\n"
+        "L\t./sub/model-00002-of-00002.safetensors\t/models/m/blobs/b2\n"
     )
     found = parse_manifest(out, 0)
     assert set(found.files) == {
@@ -51,7 +53,9 @@ def test_find_output_becomes_files_and_what_a_cut_copy_left() -> None:
         "model-00003.safetensors": FileEntry("model-00003.safetensors", 7, 1700000003)
     }
     assert found.weights_bytes == 9000  # the top level and one below, as vLLM loads them
-    absent = parse_manifest("", 1)
+    assert found.links == {"sub/model-00002-of-00002.safetensors": "/models/m/blobs/b2"}
+    assert found.link_problems() == []
+    absent = parse_manifest("", 3)
     assert not absent.present and absent.weights_bytes is None
 
 

@@ -11,7 +11,9 @@ Tests that need no Ray (flags, faults, answer shapes) run the stand-in with TP=1
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -29,6 +31,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.testbed import hf_cache
 from tests.testbed.bed import bed_ip
 from tests.testbed.procs import free_port, spawn, stop, wait_until
 from tests.testbed.standins import gpu_state
@@ -98,9 +101,22 @@ def _node_started(node: RayNode) -> bool:
     return "Ray runtime started." in log
 
 
+@functools.cache
+def model_cache() -> Path:
+    """A Hugging Face cache holding MODEL (its config.json), for the stand-ins these tests start
+    by repo id: vLLM offline finds nothing else."""
+    hub = Path(tempfile.mkdtemp(prefix="vrd-hub-"))
+    atexit.register(shutil.rmtree, hub, True)
+    hf_cache.write_snapshot(
+        hub, MODEL, {"config.json": b'{"architectures": ["Qwen3_5MoeForCausalLM"]}'}
+    )
+    return hub
+
+
 def _env_without_ray() -> dict[str, str]:
     drop = ("RAY_ADDRESS", "VLLM_HOST_IP", gpu_state.ENV_STATE)
-    return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("VRD_")}
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("VRD_")}
+    return {**env, "HF_HUB_CACHE": str(model_cache()), "HF_HUB_OFFLINE": "1"}
 
 
 def _stop_ray_node(node: RayNode) -> None:

@@ -425,7 +425,7 @@ def _run_node(bed: TestBed, rank: int, port: int, api: int) -> str:
             command,
             name=name,
             environment=env,
-            volumes=settings["volumes"],
+            volumes=[*settings["volumes"], bed.model_mount],
             network_mode="host",
             detach=True,
         )

@@ -98,7 +98,7 @@ def _sync(
     suspect = None
     if verify and cluster.sync.model == "auto":
         others = {name: a for name, a in accesses.items() if name != source.name}
-        suspect = differing(source, others, cluster.vllm.model, held)
+        suspect = differing(source, others, cluster.vllm.source.tree, held)
     plan = plan_sync(cluster, held, suspect)
     for problem in plan.problems:
         err.print(f"[red]{markup_safe(problem)}[/]", highlight=False, soft_wrap=True)

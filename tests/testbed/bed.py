@@ -18,11 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.testbed import fabric, image, real_vllm, users
+from tests.testbed import fabric, hf_cache, image, real_vllm, users
 from tests.testbed.node import EmulatedNode, NodeSpec
 from tests.testbed.sshd import keygen
 
 DEFAULT_ROOT = Path("/tmp/vrd-bed")
+# The bed's own directories its containers see: the emulated GPUs' and HCAs' state, and where a
+# test's stand-in writes what the test reads (VRD_EVENT_LOG). Nothing else of the bed's root.
+EMULATED = ("gpu", "rdma", "observed")
 FIRST_IP = 11  # node-1 is 127.0.0.11, node-2 127.0.0.12, ...
 # Every 127.x.y.z is loopback: test sessions side by side each take their own 127.0.N.0/24:
 # pytest-xdist's workers (gw0, gw1, ...) 127.0.40, 127.0.41, ...; or VRD_TEST_NET=127.0.N
@@ -58,6 +61,8 @@ def master_port(ip: str) -> int:
 
 MAX_NODES = 8
 SERVED_NAME = "Qwen3.5-122B-A10B-FP8"
+REPO_ID = f"Qwen/{SERVED_NAME}"
+MODEL_CONFIG = b'{"architectures": ["Qwen3_5MoeForCausalLM"]}\n'
 API_PORT = 30000  # vLLM's port in the config the bed writes, and the old stack's
 GPU_TOTAL_MIB = {"h200": 143771, "gb10": 124610}
 # What an operator of DGX Sparks sets: vLLM's default 0.9 is more than a Spark has free after boot.
@@ -87,12 +92,22 @@ class TestBed:
         return self.root / "cluster.toml"
 
     @property
-    def model_dir(self) -> Path:
-        return self.root / "models" / SERVED_NAME
+    def hub(self) -> Path:
+        """The nodes' Hugging Face cache (``hf download``'s layout), shared as their disk is."""
+        return self.root / "hf" / "hub"
 
     @property
-    def real_model_dir(self) -> Path:
-        return self.root / "models" / "tiny-qwen3"
+    def model_dir(self) -> Path:
+        """The model's snapshot: its files are links into the cache's blobs."""
+        repo = hf_cache.repo_dir(self.hub, REPO_ID)
+        return repo / "snapshots" / (repo / "refs" / "main").read_text()
+
+    @property
+    def model_mount(self) -> str:
+        """What the product mounts for the model (its models-- directory), for a test's own
+        containers."""
+        repo = hf_cache.repo_dir(self.hub, REPO_ID)
+        return f"{repo}:{repo}:ro"
 
     def node(self, name: str) -> EmulatedNode:
         for node in self.nodes:
@@ -142,13 +157,14 @@ class TestBed:
             raise ValueError(f"bed root {root}: {blocked[0]} is closed to others (the login)")
         root.mkdir(parents=True)
         root.chmod(0o755)  # the nodes' login reaches their sockets, tools and GPU state below
+        for shared in EMULATED:
+            (root / shared).mkdir()
         sudo = {"node-1": "all", **(sudo or {})}
         bed = cls(root=root, gpu=gpu, vllm_image=vllm_image)
         keygen(bed.client_key)
-        bed.model_dir.mkdir(parents=True)
-        (bed.model_dir / "config.json").write_text('{"architectures": ["Qwen3_5MoeForCausalLM"]}\n')
-        if vllm_image == real_vllm.IMAGE:  # on the nodes' disk: the install's home is closed
-            shutil.copytree(real_vllm.model_dir(), bed.real_model_dir)
+        hf_cache.write_snapshot(bed.hub, REPO_ID, {"config.json": MODEL_CONFIG})
+        if vllm_image == real_vllm.IMAGE:
+            hf_cache.snapshot_of(real_vllm.model_dir(), bed.hub, real_vllm.REPO_ID)
         bed.nodes = [
             EmulatedNode(
                 NodeSpec(
@@ -297,7 +313,9 @@ class TestBed:
                 "shm_size": "256m",
                 "volumes": [
                     *image.runtime_mounts(),
-                    f"{self.root}:{self.root}",
+                    # What emulates the GPUs and HCAs; the model and caches are the product's.
+                    *(f"{self.root / d}:{self.root / d}" for d in EMULATED),
+                    *(f"{n.root / 'proc'}:{n.root / 'proc'}" for n in self.nodes),  # meminfo
                     "/proc/meminfo:/proc/meminfo:ro",
                 ],
                 "env": {
@@ -324,7 +342,7 @@ class TestBed:
             },
         }
         if self.vllm_image == real_vllm.IMAGE:
-            return real_vllm.settings(settings, self.real_model_dir)
+            return real_vllm.settings(settings, self.hub)
         return settings
 
     def write_config(self, path: Path | None = None, **changes: dict[str, Any]) -> Path:

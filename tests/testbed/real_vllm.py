@@ -17,6 +17,7 @@ from typing import Any
 
 VERSION = "0.32.0"  # scripts/real-vllm.sh installs this one
 IMAGE = f"vrd-bed/vllm-openai-cpu:{VERSION}"
+REPO_ID = "vrd/tiny-qwen3"  # the tiny model's name in the bed's Hugging Face cache
 
 
 def home() -> Path:
@@ -25,8 +26,12 @@ def home() -> Path:
     return Path(os.environ.get("VRD_REAL_VLLM") or default)
 
 
+def venv() -> Path:
+    return home() / "venv"
+
+
 def bin_dir() -> Path:
-    return home() / "venv" / "bin"
+    return venv() / "bin"
 
 
 def model_dir() -> Path:
@@ -50,14 +55,15 @@ def missing() -> str | None:
     return None
 
 
-def settings(data: dict[str, Any], model: Path) -> dict[str, Any]:
-    """The bed's cluster settings made to run the real engine: its model (the bed's copy
-    ``model``: the login cannot reach into root's home, where the install lives), its install
+def settings(data: dict[str, Any], hub: Path) -> dict[str, Any]:
+    """The bed's cluster settings made to run the real engine: its model by repo id from the
+    bed's Hugging Face cache ``hub`` (as `vllm serve ORG/NAME` users run it), its install
     mounted, the mp backend, and what a 2-core machine needs."""
     vllm = data["vllm"]
-    vllm["model"] = str(model)
+    vllm["model"] = REPO_ID
+    vllm["hf_cache"] = str(hub)
     vllm["backend"] = "mp"
-    vllm["volumes"] = [*vllm["volumes"], f"{home()}:{home()}:ro"]
+    vllm["volumes"] = [*vllm["volumes"], f"{venv()}:{venv()}:ro"]
     vllm["env"] = {
         **vllm["env"],
         "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB per rank; vLLM's default 4 would crowd 2 nodes

@@ -10,6 +10,8 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from vllm_redeploy.model_source import REPO_ID
+
 ENV_PREFIX = "VLLM_REDEPLOY_"
 DEFAULT_CONFIG = Path("cluster.toml")
 # What may appear in values that end up in container names, paths, unit names and flags. The
@@ -38,7 +40,11 @@ def matches(pattern: re.Pattern[str], what: str) -> AfterValidator:
 
 Name = Annotated[str, matches(NAME_PATTERN, "name: letters, digits, '.', '_', '-'")]
 Interface = Annotated[str, matches(NAME_PATTERN, "network interface name")]
-ModelPath = Annotated[str, matches(PATH_PATTERN, "absolute model path")]
+ModelPath = Annotated[str, matches(PATH_PATTERN, "absolute path")]
+MODEL_PATTERN = re.compile(rf"{PATH_PATTERN.pattern}|{REPO_ID.pattern}")
+ModelName = Annotated[
+    str, matches(MODEL_PATTERN, "model: an absolute directory, or a Hugging Face repo id ORG/NAME")
+]
 ServedName = Annotated[str, matches(SERVED_NAME_PATTERN, "served model name")]
 ContainerPattern = Annotated[str, matches(GLOB_PATTERN, "container name or glob pattern")]
 UnitName = Annotated[str, matches(UNIT_PATTERN, "systemd unit name (e.g. glm-server.service)")]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from vllm_redeploy.config.fields import (
     ENV_NAME_PATTERN,
@@ -16,6 +16,7 @@ from vllm_redeploy.config.fields import (
     REMOVED_FLAGS,
     SHM_PATTERN,
     VOLUME_PATTERN,
+    ModelName,
     ModelPath,
     Name,
     Port,
@@ -23,14 +24,23 @@ from vllm_redeploy.config.fields import (
     ServedName,
     matches,
 )
+from vllm_redeploy.model_source import ModelSource, model_source
 
 
 class VLLMConfig(Section):
     image: Annotated[str, matches(IMAGE_PATTERN, "Docker image reference")] = Field(
         description="Image with vLLM (and Ray, for the ray backend), identical on every node."
     )
-    model: ModelPath = Field(
-        description="Model directory on every node (mounted at the same path)."
+    # Before model: model's check reads it.
+    hf_cache: ModelPath | None = Field(
+        None,
+        description="The Hugging Face cache's hub directory on every node (e.g. "
+        "/home/nvidia/.cache/huggingface/hub), where a repo id model is found.",
+    )
+    model: ModelName = Field(
+        description="The model on every node: its directory (mounted at the same path), a "
+        "Hugging Face snapshot directory (.../models--ORG--NAME/snapshots/REV), the models--ORG--"
+        "NAME directory, or a repo id ORG/NAME held in hf_cache."
     )
     served_model_name: ServedName | None = Field(
         None,
@@ -109,9 +119,19 @@ class VLLMConfig(Section):
                 raise ValueError(f"{volume!r} is not HOST:CONTAINER[:ro|rw] with absolute paths")
         return volumes
 
+    @field_validator("model")
+    @classmethod
+    def _model_found(cls, model: str, info: ValidationInfo) -> str:
+        model_source(model, info.data.get("hf_cache"))  # in words: a repo id without a cache
+        return model
+
+    @property
+    def source(self) -> ModelSource:
+        return model_source(self.model, self.hf_cache)
+
     @property
     def served_name(self) -> str:
-        return self.served_model_name or self.model
+        return self.served_model_name or self.source.default_served_name
 
     @property
     def world_size(self) -> int:

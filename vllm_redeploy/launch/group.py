@@ -57,9 +57,9 @@ def node_env(
     node: NodeConfig, config: ClusterConfig, fabric: NodeFabric | None = None
 ) -> dict[str, str]:
     """Environment of a node's containers: NCCL's transport log, Ray's defaults for unified
-    memory, the compile caches and vLLM's start-up bound, then the fabric interfaces and HCAs
-    found on the node, then [vllm.env], then the node's configured interfaces and HCAs, then the
-    IP vLLM must use."""
+    memory, the compile caches, vLLM's start-up bound and the model's cache, then the fabric
+    interfaces and HCAs found on the node, then [vllm.env], then the node's configured
+    interfaces and HCAs, then the IP vLLM must use."""
     fabric = fabric or NodeFabric()
     env = {
         # NCCL says which transport it chose (checked after every launch); kept short.
@@ -71,6 +71,7 @@ def node_env(
         **_ray_memory_env(config),
         **cache_env(config),
         **engine_start_env(config),
+        **config.vllm.source.env(),  # a repo id: the cache's hub, offline
     }
     if "NCCL_DEBUG" in config.vllm.env:  # the operator's own NCCL logging
         del env["NCCL_DEBUG_SUBSYS"]
@@ -147,7 +148,7 @@ def container_argv(spec: ContainerSpec) -> list[str]:
 def model_mounts(config: ClusterConfig) -> list[str]:
     """The model (read-only), the compile caches, then the configured mounts."""
     return [
-        f"{config.vllm.model}:{config.vllm.model}:ro",
+        config.vllm.source.mount(),  # a snapshot's links resolve in its models-- directory
         *cache_mounts(config),
         *config.vllm.volumes,
     ]
@@ -186,7 +187,7 @@ def group_spec(
 def serve_args(config: ClusterConfig, executor: str | None = None) -> list[str]:
     """`vllm serve` with what every backend passes; the configured extra arguments not yet."""
     v = config.vllm
-    args = ["vllm", "serve", v.model]
+    args = ["vllm", "serve", v.source.serve]
     args += ["--tensor-parallel-size", str(v.tensor_parallel_size)]
     args += ["--pipeline-parallel-size", str(v.pipeline_parallel_size)]
     if executor:

@@ -20,7 +20,15 @@ from vllm_redeploy.sync.manifest import (
     manifest_argv,
     parse_manifest,
 )
-from vllm_redeploy.sync.plan import Holdings, SyncNeed, SyncPlan, human_bytes, plan_sync, survey
+from vllm_redeploy.sync.plan import (
+    Holdings,
+    SyncNeed,
+    SyncPlan,
+    human_bytes,
+    plan_sync,
+    survey,
+    unsafe_links,
+)
 
 __all__ = [
     "NO_MODEL",
@@ -44,4 +52,5 @@ __all__ = [
     "route_between",
     "survey",
     "sync_target",
+    "unsafe_links",
 ]

@@ -34,7 +34,9 @@ while IFS= read -r f; do
 done
 cd / && find "$2" -depth -type d -empty -delete
 """
-SEND = ["tar", "--null", "--verbatim-files-from", "-T", "-", "-cf", "-"]
+# --dereference: a snapshot's files are links into its blobs; the targets get the contents
+# (the links were checked to stay inside the model's tree before anything was sent).
+SEND = ["tar", "--dereference", "--null", "--verbatim-files-from", "-T", "-", "-cf", "-"]
 COPY_TIMEOUT_S = 7 * 24 * 3600.0  # a stalled copy is caught by ssh's keepalive, not by this
 MOVED = "@@moved"
 MOVED_LINE = re.compile(rf"^{MOVED} (\d+)$")
@@ -180,7 +182,7 @@ def copy_model(
     """``files`` from the source's model directory into the target's, received under STAGE and
     renamed into place once whole; ``staged`` (received whole by an earlier, cut copy) are only
     renamed."""
-    model = config.vllm.model
+    model = config.vllm.source.tree
     stage = f"{model.rstrip('/')}/{STAGE}"
     names = b"".join(f.path.encode() + b"\0" for f in files)
     started = time.monotonic()
@@ -344,7 +346,7 @@ def check_room(
     """Refuse before the first byte when the target's disk cannot take the copy."""
     wants = []
     if need.model_bytes:
-        wants.append((config.vllm.model, need.model_bytes, "the model's files"))
+        wants.append((config.vllm.source.tree, need.model_bytes, "the model's files"))
     if need.image and image_id:
         size = source.docker.image_size(config.vllm.image)
         wants.append((target.docker.root_dir(), size, f"the image {config.vllm.image}"))

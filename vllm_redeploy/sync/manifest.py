@@ -7,9 +7,14 @@ files it finished there, and the next copy takes them instead of sending them ag
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
+
+from vllm_redeploy.model_source import ModelSource, link_problems
 
 STAGE = ".vllm-redeploy-incoming"
+LINKS_REFUSED = 4  # the listing's exit when a link dangles or leaves the tree
+SNAPSHOT = re.compile(r"^snapshots/[^/]+/")
 
 
 @dataclass(frozen=True)
@@ -24,11 +29,14 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class Manifest:
-    """What a node holds of the model: ``files`` in place, ``staged`` received by a cut copy."""
+    """What a node holds of the model: ``files`` in place, ``staged`` received by a cut copy,
+    and the model's links (path -> canonical target, empty when dangling) within ``tree``."""
 
     present: bool
     files: dict[str, FileEntry]
     staged: dict[str, FileEntry]
+    links: dict[str, str] = field(default_factory=dict)
+    tree: str = ""
 
     @property
     def weights_bytes(self) -> int | None:
@@ -36,32 +44,42 @@ class Manifest:
         sizes = [
             f.size
             for f in self.files.values()
-            if f.path.endswith(".safetensors") and f.path.count("/") <= 1
+            if f.path.endswith(".safetensors") and SNAPSHOT.sub("", f.path).count("/") <= 1
         ]
         return sum(sizes) if sizes else None
 
+    def link_problems(self) -> list[str]:
+        return link_problems(self.tree, self.links) if self.tree else []
 
-def manifest_argv(model: str) -> list[str]:
-    """Every file of the model directory (links followed: a Hugging Face snapshot links its
-    files into a blob store), one per line: path, size, mtime, tab-separated."""
-    return ["find", "-L", model, "-type", "f", "-printf", "%P\\t%s\\t%T@\\n"]
+
+def manifest_argv(source: ModelSource) -> list[str]:
+    """Every file of the model (links followed: a Hugging Face snapshot links its files into a
+    blob store) and every link, in one answer (ModelSource.listing_script)."""
+    return ["sh", "-c", source.listing_script(STAGE), "sh", source.tree]
 
 
 def parse_manifest(out: str, exit_code: int) -> Manifest:
-    """``find``'s answer; a directory that is not there (non-zero exit, no line) is absent."""
+    """The listing's answer; a tree (or revision) that is not there (exit 3) is absent."""
     files: dict[str, FileEntry] = {}
     staged: dict[str, FileEntry] = {}
+    links: dict[str, str] = {}
+    tree = ""
     for line in out.splitlines():
-        parts = line.split("\t")
-        if len(parts) != 3 or not parts[1].isdigit():
-            continue
-        path, size, mtime = parts[0], int(parts[1]), int(float(parts[2]))
-        if path.startswith(f"{STAGE}/"):
-            entry = FileEntry(path.removeprefix(f"{STAGE}/"), size, mtime)
-            staged[entry.path] = entry
-        else:
-            files[path] = FileEntry(path, size, mtime)
-    return Manifest(exit_code == 0 or bool(files), files, staged)
+        kind, _, rest = line.partition("\t")
+        parts = rest.split("\t")
+        if kind == "T":
+            tree = rest
+        elif kind == "L" and len(parts) == 2:
+            links[parts[0].removeprefix("./")] = parts[1]
+        elif kind == "F" and len(parts) == 3 and parts[1].isdigit():
+            path, size, mtime = parts[0].removeprefix("./"), int(parts[1]), int(float(parts[2]))
+            if path.startswith(f"{STAGE}/"):
+                entry = FileEntry(path.removeprefix(f"{STAGE}/"), size, mtime)
+                staged[entry.path] = entry
+            else:
+                files[path] = FileEntry(path, size, mtime)
+    present = exit_code in (0, LINKS_REFUSED) or bool(files)
+    return Manifest(present, files, staged, links, tree)
 
 
 NO_MODEL = Manifest(False, {}, {})

@@ -73,10 +73,14 @@ def plan_sync(
             f"the source {source_name} lacks the image {config.vllm.image} itself: pull it "
             "there, or name a node that holds it as sync.source"
         )
-    if model_on and not source.model.files:
+    if model_on and (bad := source.model.link_problems()):
         problems.append(
-            f"the source {source_name} has no file under {config.vllm.model}: put the model "
-            "there, or name a node that holds it as sync.source"
+            f"the source {source_name}: {unsafe_links(config, bad)}; nothing was copied"
+        )
+    elif model_on and not source.model.files:
+        problems.append(
+            f"the source {source_name} has no file under {config.vllm.source.where()}: put "
+            "the model there, or name a node that holds it as sync.source"
         )
     needs = []
     for target in holdings:
@@ -121,11 +125,24 @@ def _differs(entry: FileEntry, model: Manifest, suspect: set[str] | None) -> str
 
 def survey(access: NodeAccess, config: ClusterConfig) -> Holdings:
     """Ask one node for its image ID and its model files."""
-    found = access.runner.run(manifest_argv(config.vllm.model), check=False)
+    found = access.runner.run(manifest_argv(config.vllm.source), check=False)
     return Holdings(
         access.name,
         access.docker.image_id(config.vllm.image),
         parse_manifest(found.stdout, found.exit_code or 0),
+    )
+
+
+def unsafe_links(config: ClusterConfig, problems: list[str]) -> str:
+    """One sentence on the model's links that no container or copy may follow."""
+    shown = "; ".join(problems[:3]) + (
+        f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+    )
+    return (
+        f"the model in {config.vllm.source.tree} has links that cannot be followed: {shown}. "
+        "Every link must resolve inside the model's directory (a Hugging Face snapshot's "
+        "into its models-- directory's blobs): download it again (`hf download`), or put the "
+        "files themselves there"
     )
 
 

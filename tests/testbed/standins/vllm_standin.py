@@ -63,7 +63,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -123,6 +123,28 @@ PTX_TRACE = """Traceback (most recent call last):
 RuntimeError: CUDA error: the provided PTX was compiled with an unsupported toolchain. \
 (cudaErrorUnsupportedPtxVersion)
 """
+# vLLM reads the model's config.json first (transformers_utils/config.py, 0.32.0): a path that
+# exists must hold it (links followed: a dangling one is no file), else a repo id must be in the
+# Hugging Face cache (offline) or on the Hub (none here).
+INVALID_MODEL_TRACE = """Traceback (most recent call last):
+  File "vllm/transformers_utils/config.py", line 837, in get_config
+    raise ValueError(
+ValueError: Could not detect config format for no config file found. With config_format 'auto', \
+ensure your model has either config.json (HF format) or params.json (Mistral format). Otherwise \
+please specify your_custom_config_format in engine args for customized config parser.
+
+The above exception was the direct cause of the following exception:
+
+Traceback (most recent call last):
+  File "vllm/transformers_utils/config.py", line 860, in get_config
+    raise ValueError(error_message) from e
+ValueError: Invalid repository ID or local directory specified: '{model}'.
+Please verify the following requirements:
+1. Provide a valid Hugging Face repository ID.
+2. Specify a local directory that contains a recognized configuration file.
+   - For Hugging Face models: ensure the presence of a 'config.json'.
+   - For Mistral models: ensure the presence of a 'params.json'.
+"""
 # vLLM's API server gives up on its engine core after VLLM_ENGINE_READY_TIMEOUT_S, then exits 1
 # (the message of core_client.py, 0.32.0). Up to 0.32 the bound starts only once the engine's
 # handshake is done, after the load (measured: 0.32.0 serves with it set to 1; vllm#48031 says the
@@ -140,6 +162,20 @@ ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) 
 
 
 # --------------------------------------------------------------------------- knobs
+
+
+def model_config_found(model: str, env: Mapping[str, str]) -> bool:
+    """vLLM's ``file_or_path_exists(model, "config.json")``, offline."""
+    local = Path(model)
+    if local.exists():
+        return (local / "config.json").is_file()
+    home = Path(env.get("HF_HOME") or Path.home() / ".cache" / "huggingface")
+    repo = Path(env.get("HF_HUB_CACHE") or home / "hub") / f"models--{model.replace('/', '--')}"
+    try:
+        revision = (repo / "refs" / "main").read_text().strip()
+    except OSError:
+        return False
+    return bool(revision) and (repo / "snapshots" / revision / "config.json").is_file()
 
 
 def node_gpu_state(env: dict[str, str]) -> str | None:
@@ -1614,6 +1650,9 @@ def run(argv: Sequence[str] | None = None) -> int:
         # FlashInfer's JIT on a GB10 whose driver is older than the image's CUDA, without the
         # forward-compatibility libraries NGC's entrypoint puts on the library path.
         log.traceback(PTX_TRACE)
+        return 1
+    if not model_config_found(config.model, os.environ):
+        log.traceback(INVALID_MODEL_TRACE.format(model=config.model))
         return 1
     if config.launch.headless or config.launch.follower:
         return run_headless(config, knobs, log)
