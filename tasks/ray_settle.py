@@ -30,6 +30,10 @@ POLL_S = 0.1
 # Ask Ray itself at least this often, even before every node logged its start (a Ray build may
 # word its success line differently); each look runs Python in the head container.
 LOOK_EVERY_S = 3.0
+# Ray gives a new node's raylet a fixed 30 s to register with the GCS (ray/_private/node.py, not
+# configurable), then `ray start` exits with this: many workers joining a busy head at once can
+# miss it. The head is up by then; the worker is started once more.
+RAYLET_LATE = "The current node timed out during startup"
 
 
 def ray_members(run: Run) -> list[RayMember]:
@@ -58,10 +62,11 @@ def check_ray_cluster(run: Run) -> list[RayMember]:
     window = config.deadlines.ray_cluster_s
     started = time.monotonic()
     starting = [n.name for n in config.nodes]
+    again: set[str] = set()  # the workers started a second time
     next_look = started + LOOK_EVERY_S
     problems: list[str] = []
     while True:
-        starting = _still_starting(run, starting)
+        starting = _still_starting(run, starting, again)
         now = time.monotonic()
         if not starting or now >= next_look:
             members = ray_members(run)
@@ -83,12 +88,21 @@ def check_ray_cluster(run: Run) -> list[RayMember]:
         time.sleep(POLL_S)
 
 
-def _still_starting(run: Run, names: list[str]) -> list[str]:
-    """The nodes whose `ray start` has not reported success yet; fails if one exited."""
+def _still_starting(run: Run, names: list[str], again: set[str]) -> list[str]:
+    """The nodes whose `ray start` has not reported success yet; fails if one exited (a worker
+    whose raylet registered too late for Ray is first started once more)."""
     config = run.config
     pending = []
     for name in names:
-        start = wait_ray_started(run.node(name).docker, ray_container(config), 0)
+        docker = run.node(name).docker
+        start = wait_ray_started(docker, ray_container(config), 0)
+        worker = name != config.head.name
+        if start.exited and worker and name not in again and RAYLET_LATE in start.tail:
+            log().warning("Ray on %s registered too late for Ray's 30 s: starting it again", name)
+            again.add(name)
+            docker.start(ray_container(config))
+            pending.append(name)
+            continue
         if start.exited:
             role = "head" if name == config.head.name else "worker"
             raise StepFailed(

@@ -319,6 +319,10 @@ class NodeDocker:
             lambda: self._client.api.update_container(name, restart_policy={"Name": policy}),
         )
 
+    def start(self, name: str) -> None:
+        """Start an exited container again: its command, as it was created."""
+        self._call(f"start {name}", lambda: self._client.api.start(name))
+
     def stop(self, name: str, timeout_s: int = 10) -> None:
         """Stop a container; one that is already gone counts as stopped."""
         self._call(
