@@ -27,10 +27,11 @@ import pytest
 from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import keep_for_notes, make_bed
 from tests.test_recovery import Controller, finished, wait_for
-from tests.testbed import real_vllm
+from tests.testbed import image, real_vllm, users
 from tests.testbed.bed import SERVED_NAME, TestBed
 from tests.testbed.procs import freeze_container
 from vllm_redeploy.config import load_config
+from vllm_redeploy.nodes import NodeAccess
 from vllm_redeploy.nodes.containers import LABEL_CLUSTER
 from vllm_redeploy.status import collect_status
 
@@ -45,7 +46,9 @@ WATCH = {"interval_s": 1, "failures": 2, "max_recoveries": 3, "window_s": 900, "
 def real_bed(prefect_api: str) -> Iterator[TestBed]:
     if (why := real_vllm.missing()) is not None:
         pytest.fail(why, pytrace=False)
-    bed = make_bed(2, "h200", first_ip=201, vllm_image=real_vllm.IMAGE)
+    # All of a first day on real Sparks at once: the login nvidia, OpenSSH's limits, the model in
+    # the Hugging Face cache by repo id, an NGC-shaped image, and node-2's engine upgraded to 29.
+    bed = make_bed(2, "h200", first_ip=201, vllm_image=real_vllm.NGC_IMAGE, docker29=("node-2",))
     try:
         yield bed
     finally:
@@ -108,6 +111,19 @@ def test_the_readme_scenario_on_the_real_engine(real_bed: TestBed, path: Path) -
 
     status = collect_status(load_config(path, env_file=None))
     assert status.healthy and status.backend == "mp", status.problems
+    # Each part of the first day was in play: NVIDIA's entrypoint ran ahead of vLLM, which was
+    # given the repo id, offline, with the cache's model-- tree; node-2 answered as Docker 29.
+    leader = container(real_bed, 0, LEADER).attrs
+    assert leader["Config"]["Entrypoint"][0] == image.NGC_ENTRYPOINT
+    assert leader["Config"]["Cmd"][:3] == ["vllm", "serve", real_vllm.REPO_ID]
+    assert "HF_HUB_OFFLINE=1" in leader["Config"]["Env"]
+    assert [m["Source"] for m in leader["Mounts"] if "models--" in m["Source"]] == [
+        str(real_bed.hub / "models--vrd--tiny-qwen3")
+    ]
+    config = load_config(path, env_file=None)
+    with NodeAccess(config.nodes[1], config) as node2:
+        assert node2.docker.version().startswith("29.")  # through the gate
+    assert {n.ssh_user for n in config.nodes} == {users.LOGIN}
     ids = {n: container(real_bed, n, role).id for n, role in ((0, LEADER), (1, FOLLOWER))}
     assert served(path)["action"] == "already healthy: nothing changed"
     assert ids == {n: container(real_bed, n, role).id for n, role in ((0, LEADER), (1, FOLLOWER))}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tests.testbed import real_vllm
 from tests.testbed.bed import DEFAULT_ROOT, TestBed
-from tests.testbed.image import BED_IMAGE
+from tests.testbed.image import BED_IMAGE, NGC_IMAGE
 from tests.testbed.procs import alive
 
 
@@ -28,6 +28,18 @@ def main(argv: list[str] | None = None) -> int:
         help="the real vLLM (CPU build, scripts/real-vllm.sh) instead of the stand-in; mp backend",
     )
     up.add_argument(
+        "--docker29",
+        action="append",
+        default=[],
+        metavar="NODE",
+        help="this node's engine answers as Docker 29 (repeatable): a cluster upgraded in part",
+    )
+    up.add_argument(
+        "--ngc",
+        action="store_true",
+        help="the cluster runs an image shaped like NGC's (its entrypoint script)",
+    )
+    up.add_argument(
         "--first-ip",
         type=int,
         default=11,
@@ -40,13 +52,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.verb == "up":
-            image = BED_IMAGE
+            image = NGC_IMAGE if args.ngc else BED_IMAGE
             if args.real_vllm:
                 if (why := real_vllm.missing()) is not None:
                     raise RuntimeError(why)
-                image = real_vllm.IMAGE
+                image = real_vllm.NGC_IMAGE if args.ngc else real_vllm.IMAGE
             bed = TestBed.up(
-                args.nodes, args.gpu, args.root, not args.no_old_stack, args.first_ip, image
+                args.nodes,
+                args.gpu,
+                args.root,
+                not args.no_old_stack,
+                args.first_ip,
+                image,
+                docker29=args.docker29,
             )
             print(
                 f"bed up: {len(bed.nodes)} nodes ({args.gpu}) in {bed.bring_up_s:.1f} s",

@@ -145,6 +145,8 @@ class TestBed:
         names = {f"node-{i}" for i in range(1, nodes + 1)}
         if set(rdma) - names or set(rdma.values()) - set(fabric.PRESETS):
             raise ValueError(f"rdma {rdma}: nodes of {sorted(names)}, presets {fabric.PRESETS}")
+        if unknown := set(docker29) - names:
+            raise ValueError(f"docker29 {sorted(unknown)}: not nodes of {sorted(names)}")
         if (root / "bed.json").exists():
             raise RuntimeError(
                 f"a bed already runs at {root}: `python -m tests.testbed down` first"
@@ -163,7 +165,7 @@ class TestBed:
         bed = cls(root=root, gpu=gpu, vllm_image=vllm_image)
         keygen(bed.client_key)
         hf_cache.write_snapshot(bed.hub, REPO_ID, {"config.json": MODEL_CONFIG})
-        if vllm_image == real_vllm.IMAGE:
+        if vllm_image in real_vllm.IMAGES:
             hf_cache.snapshot_of(real_vllm.model_dir(), bed.hub, real_vllm.REPO_ID)
         bed.nodes = [
             EmulatedNode(
@@ -341,7 +343,7 @@ class TestBed:
                 "ray_cluster_s": 60,
             },
         }
-        if self.vllm_image == real_vllm.IMAGE:
+        if self.vllm_image in real_vllm.IMAGES:
             return real_vllm.settings(settings, self.hub)
         return settings
 

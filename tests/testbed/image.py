@@ -70,6 +70,7 @@ BED_IMAGES = (
     BedImage(NO_RAY_IMAGE, ("vllm", "serve"), ray=False),
     # The real vLLM (CPU build, tests/testbed/real_vllm.py), mounted from where it is installed.
     BedImage(real_vllm.IMAGE, ("vllm", "serve"), ray=False, bin_dir=str(real_vllm.bin_dir())),
+    BedImage(real_vllm.NGC_IMAGE, (NGC_ENTRYPOINT,), ray=False, bin_dir=str(real_vllm.bin_dir())),
 )
 
 

@@ -17,6 +17,9 @@ from typing import Any
 
 VERSION = "0.32.0"  # scripts/real-vllm.sh installs this one
 IMAGE = f"vrd-bed/vllm-openai-cpu:{VERSION}"
+# The same engine in an image shaped like NGC's nvcr.io/nvidia/vllm (its entrypoint script).
+NGC_IMAGE = f"vrd-bed/nvidia-vllm-cpu:{VERSION}"
+IMAGES = (IMAGE, NGC_IMAGE)
 REPO_ID = "vrd/tiny-qwen3"  # the tiny model's name in the bed's Hugging Face cache
 
 
