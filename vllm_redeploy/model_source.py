@@ -30,7 +30,6 @@ HUB_CACHE = "HF_HUB_CACHE"
 
 @dataclass(frozen=True)
 class ModelSource:
-    configured: str  # [vllm] model as written
     tree: str  # the directory mounted and synced: a plain directory, or models--ORG--NAME
     revision: str | None = None  # a snapshot named in the configuration
     repo_id: str | None = None  # ORG/NAME, for the forms vLLM resolves from the cache
@@ -52,13 +51,8 @@ class ModelSource:
 
     @property
     def serve(self) -> str:
-        """What `vllm serve` gets."""
+        """What `vllm serve` gets (and, as vLLM does, the served name unless one is set)."""
         return self.repo_id or self.snapshot or self.tree
-
-    @property
-    def default_served_name(self) -> str:
-        """vLLM's own default: what it was told to serve."""
-        return self.serve
 
     def env(self) -> dict[str, str]:
         if not self.cached:
@@ -91,10 +85,11 @@ class ModelSource:
             parts = f'need={shlex.quote("snapshots/" + self.revision)}; set -- "$need"\n'
         else:
             parts = "need=.; set -- .\n"
+        # A plain directory's walk from "." takes its stage in; a revision's does not.
         staged = (
-            ""
-            if parts.startswith("need=.")
-            else f'[ -d {shlex.quote(stage)} ] && set -- "$@" {shlex.quote(stage)}\n'
+            f'[ -d {shlex.quote(stage)} ] && set -- "$@" {shlex.quote(stage)}\n'
+            if self.hf_layout
+            else ""
         )
         return (
             'cd -- "$1" 2>/dev/null || exit 3\n'
@@ -125,7 +120,7 @@ def model_source(model: str, hf_cache: str | None) -> ModelSource:
                 "to the model's directory"
             )
         org, name = model.split("/")
-        return ModelSource(model, posixpath.join(hf_cache, f"models--{org}--{name}"), None, model)
+        return ModelSource(posixpath.join(hf_cache, f"models--{org}--{name}"), None, model)
     path = posixpath.normpath(model)
     if not model.startswith("/"):
         raise ValueError(
@@ -134,10 +129,10 @@ def model_source(model: str, hf_cache: str | None) -> ModelSource:
     parent, revision = posixpath.split(path)
     tree, snapshots = posixpath.split(parent)
     if snapshots == "snapshots" and CACHE_DIR.fullmatch(posixpath.basename(tree)):
-        return ModelSource(model, tree, revision)
+        return ModelSource(tree, revision)
     if found := CACHE_DIR.fullmatch(posixpath.basename(path)):
-        return ModelSource(model, path, None, f"{found.group(1)}/{found.group(2)}")
-    return ModelSource(model, path)
+        return ModelSource(path, None, f"{found.group(1)}/{found.group(2)}")
+    return ModelSource(path)
 
 
 def link_problems(tree: str, links: dict[str, str]) -> list[str]:

@@ -131,7 +131,7 @@ class VLLMConfig(Section):
 
     @property
     def served_name(self) -> str:
-        return self.served_model_name or self.source.default_served_name
+        return self.served_model_name or self.source.serve
 
     @property
     def world_size(self) -> int:
