@@ -50,7 +50,7 @@ def _events(path: Path) -> dict[str, float]:
 
 
 def one_run(bed: TestBed, backend: str, load_s: float, fault: str = "") -> dict[str, float]:
-    events = bed.root / f"events-{time.monotonic_ns()}.jsonl"
+    events = bed.observed / f"events-{time.monotonic_ns()}.jsonl"
     env = {"VRD_LOAD_SECONDS": str(load_s), "VRD_EVENT_LOG": str(events)}
     if fault:
         env["VRD_FAULT"] = fault

@@ -131,8 +131,7 @@ def run_flow(api_url: str, bed: TestBed, config: Path, env: dict[str, str], mode
 def stand_in_env(bed: TestBed, tag: str, load_s: float, fault: str = "") -> dict[str, str]:
     env = {
         "VRD_LOAD_SECONDS": f"{load_s:g}",
-        # The bed's root is mounted into the containers: the stand-in writes its marks here.
-        "VRD_EVENT_LOG": str(bed.root / f"{tag}.events.jsonl"),
+        "VRD_EVENT_LOG": str(bed.observed / f"{tag}.events.jsonl"),
     }
     if fault:
         env["VRD_FAULT"] = fault
@@ -155,6 +154,11 @@ def redeploy(
     if run.record.state != "COMPLETED":
         raise RuntimeError(f"the redeploy {tag} ended {run.record.state}; see the Prefect UI")
     run.events = read_events(Path(env["VRD_EVENT_LOG"]))
+    if "listening" not in run.events:
+        raise RuntimeError(
+            f"the redeploy {tag} left no 'listening' mark in {env['VRD_EVENT_LOG']}: the "
+            "readiness lag cannot be measured (is that directory mounted into the containers?)"
+        )
     run.engine = engine_marks(bed, run.config)
     return Redeploy(run, load_s)
 

@@ -639,7 +639,7 @@ def created_since(node: EmulatedNode, since: int) -> list[str]:
 
 def test_engine_killed_during_load(fault_bed: TestBed, row: Row) -> None:
     row.fault = "engine killed during the load (SIGKILL, exit 137, CUDA OOM in its log)"
-    events = fault_bed.root / "observed" / "engine-events.jsonl"
+    events = fault_bed.observed / "engine-events.jsonl"
     events.unlink(missing_ok=True)
     env = {"VRD_FAULT": "crash_during_load", "VRD_LOAD_SECONDS": "2", "VRD_EVENT_LOG": str(events)}
     outcome = run_flow(fault_bed, vllm={"env": env})

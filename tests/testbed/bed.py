@@ -92,6 +92,12 @@ class TestBed:
         return self.root / "cluster.toml"
 
     @property
+    def observed(self) -> Path:
+        """Where a stand-in in a container writes what a test or benchmark reads (VRD_EVENT_LOG):
+        the one directory of the bed's own that every container sees writable."""
+        return self.root / "observed"
+
+    @property
     def hub(self) -> Path:
         """The nodes' Hugging Face cache (``hf download``'s layout), shared as their disk is."""
         return self.root / "hf" / "hub"
