@@ -42,11 +42,12 @@ def prove_transport(run: Run, plan: LaunchPlan) -> TransportVerdict:
     log().info("NCCL transport: %s (%s)", verdict.transport, _phrases(verdict))
     if rdma_required(run, plan) and verdict.transport != "rdma":
         fixes = [_fix(n, plan.fabric.get(n.node)) for n in verdict.nodes if n.transport != "rdma"]
+        sockets = any(n.transport in ("socket", "mixed") for n in verdict.nodes)
+        how = "over TCP sockets" if sockets else "without proof that it is over RDMA"
         raise StepFailed(
             STEP,
             f"NCCL did not use RDMA on every node ({_phrases(verdict)}); the model answers, but "
-            f"over TCP sockets. {' '.join(fixes)} Or set [fabric] require_rdma = false to accept "
-            "it.",
+            f"{how}. {' '.join(fixes)} Or set [fabric] require_rdma = false to accept it.",
         )
     return verdict
 
@@ -67,6 +68,12 @@ def half_bandwidth(plan: LaunchPlan, verdict: TransportVerdict) -> list[str]:
 
 
 def _fix(node: NodeTransport, fabric: NodeFabric | None) -> str:
+    if node.transport == "unknown":
+        return (
+            f"{node.node}: its engine's log has no 'Using network' line of NCCL's (a log cut "
+            "short, or NCCL's lines sent elsewhere): `vllm-redeploy fabric --log FILE` judges a "
+            "saved log."
+        )
     if fabric is None or not fabric.rdma:
         return (
             f"{node.node}: its containers got no RDMA devices (the node shows no active RDMA HCA "

@@ -24,6 +24,7 @@ import pytest
 
 from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import make_bed
+from tests.test_plan import named
 from tests.testbed import image
 from tests.testbed.bed import SERVED_NAME, TestBed
 from tests.testbed.procs import free_port
@@ -62,10 +63,7 @@ KEPT = (
 def example(tmp_path: Path, interfaces_differ: bool) -> ClusterConfig:
     text = EXAMPLE.read_text()
     if interfaces_differ:  # the worker cabled on the other port: the engine gets its sh wrapper
-        text = text.replace(
-            'fabric_interfaces = ["enp1s0f0np0"]\nib_hcas = ["rocep1s0f0"]\ngpus = 1\n\n[ssh]',
-            'fabric_interfaces = ["enP2p1s0f1np1"]\nib_hcas = ["roceP2p1s0f1"]\ngpus = 1\n\n[ssh]',
-        )
+        text = named(worker=("enP2p1s0f1np1", "roceP2p1s0f1"))
     path = tmp_path / "cluster.toml"
     path.write_text(text)
     return load_config(path, env_file=None)
@@ -163,7 +161,7 @@ def test_the_dry_run_shows_each_entrypoint(tmp_path: Path) -> None:
     engine_line = next(
         i for i, line in enumerate(lines) if "start container" in line and "engine" in line
     )
-    assert "vllm serve /models/" in lines[engine_line]
+    assert "vllm serve Qwen/Qwen3.5-122B-A10B-FP8" in lines[engine_line]
     assert lines[engine_line + 1].strip().startswith("entrypoint: vllm")
 
 

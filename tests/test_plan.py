@@ -16,19 +16,37 @@ from vllm_redeploy.parsers.vllm_log import last_load_progress
 EXAMPLE = Path(__file__).resolve().parent.parent / "cluster.example.toml"
 
 
+PLAYBOOK = ("enp1s0f1np1", "rocep1s0f1")  # NVIDIA's two-Spark playbook cables the f1 port
+
+
+def named(head: tuple[str, str] = PLAYBOOK, worker: tuple[str, str] = PLAYBOOK) -> str:
+    """The example with each node's fabric interface and HCA named (the example finds them)."""
+    a, b, rest = EXAMPLE.read_text().split("gpus = 1\n")
+    lines = [
+        f'gpus = 1\nfabric_interfaces = ["{i}"]\nib_hcas = ["{h}"]\n' for i, h in (head, worker)
+    ]
+    return a + lines[0] + b + lines[1] + rest
+
+
 def example() -> ClusterConfig:
     return load_config(EXAMPLE, env_file=None)
 
 
-def test_every_node_is_pinned_to_its_fabric_ip() -> None:
-    config = example()
+def example_named(tmp_path: Path, worker: tuple[str, str] = PLAYBOOK) -> ClusterConfig:
+    path = tmp_path / "c.toml"
+    path.write_text(named(worker=worker))
+    return load_config(path, env_file=None)
+
+
+def test_every_node_is_pinned_to_its_fabric_ip(tmp_path: Path) -> None:
+    config = example_named(tmp_path)
     head, worker = config.nodes
     h, w = ray_spec(head, config), ray_spec(worker, config)
     assert "--node-ip-address=192.168.200.12" in h.command and "--head" in h.command
     assert "--node-ip-address=192.168.200.13" in w.command
     assert "--address=192.168.200.12:6379" in w.command
     assert (h.env["VLLM_HOST_IP"], w.env["VLLM_HOST_IP"]) == ("192.168.200.12", "192.168.200.13")
-    assert w.env["NCCL_SOCKET_IFNAME"] == "enp1s0f0np0" and w.env["NCCL_IB_HCA"] == "rocep1s0f0"
+    assert w.env["NCCL_SOCKET_IFNAME"] == "enp1s0f1np1" and w.env["NCCL_IB_HCA"] == "rocep1s0f1"
 
 
 def test_gloo_gets_one_interface_where_nccl_gets_the_twins() -> None:
@@ -48,7 +66,7 @@ def test_gloo_gets_one_interface_where_nccl_gets_the_twins() -> None:
 
 def test_vllm_serve_has_the_runbook_flags() -> None:
     args = vllm_serve_args(example())
-    assert args[:3] == ["vllm", "serve", "/models/Qwen3.5-122B-A10B-FP8"]
+    assert args[:3] == ["vllm", "serve", "Qwen/Qwen3.5-122B-A10B-FP8"]
     text = " ".join(args)
     for flag in (
         "--tensor-parallel-size 2",
@@ -68,7 +86,8 @@ def test_the_engine_is_a_driver_next_to_the_head_raylet() -> None:
     assert spec.pid_mode == "container:vllm-redeploy-spark-pair-ray"
     assert spec.env["RAY_ADDRESS"] == "192.168.200.12:6379"
     assert "vllm-redeploy-spark-pair-ray-tmp:/tmp/ray" in spec.volumes
-    assert "/models/Qwen3.5-122B-A10B-FP8:/models/Qwen3.5-122B-A10B-FP8:ro" in spec.volumes
+    repo = "/home/nvidia/.cache/huggingface/hub/models--Qwen--Qwen3.5-122B-A10B-FP8"
+    assert f"{repo}:{repo}:ro" in spec.volumes
 
 
 def test_secrets_go_by_environment_never_by_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -81,13 +100,8 @@ def test_secrets_go_by_environment_never_by_command_line(monkeypatch: pytest.Mon
 
 
 def test_different_interface_names_are_kept_off_the_workers(tmp_path: Path) -> None:
-    text = EXAMPLE.read_text().replace(
-        'fabric_interfaces = ["enp1s0f0np0"]\nib_hcas = ["rocep1s0f0"]\ngpus = 1\n\n[ssh]',
-        'fabric_interfaces = ["enP2p1s0f1np1"]\nib_hcas = ["roceP2p1s0f1"]\ngpus = 1\n\n[ssh]',
-    )
-    path = tmp_path / "c.toml"
-    path.write_text(text)
-    wrapper = container_argv(engine_spec(load_config(path, env_file=None)))
+    config = example_named(tmp_path, worker=("enP2p1s0f1np1", "roceP2p1s0f1"))
+    wrapper = container_argv(engine_spec(config))
     assert wrapper[:2] == ["sh", "-c"]
     # Run the wrapper for real (with `echo` for vllm): the file is written, argv reaches the end.
     target = tmp_path / "cfg" / "ray_non_carry_over_env_vars.json"

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from vllm_redeploy.config import ClusterConfig, NodeConfig
 from vllm_redeploy.launch.caches import cache_env, cache_mounts
+from vllm_redeploy.launch.nccl_logging import nccl_logging
 from vllm_redeploy.names import container_name
 from vllm_redeploy.nodes.containers import ContainerSpec, project_labels
 from vllm_redeploy.parsers.fabric import FabricFacts
@@ -56,15 +57,13 @@ class NodeFabric:
 def node_env(
     node: NodeConfig, config: ClusterConfig, fabric: NodeFabric | None = None
 ) -> dict[str, str]:
-    """Environment of a node's containers: NCCL's transport log, Ray's defaults for unified
+    """Environment of a node's containers: Ray's defaults for unified
     memory, the compile caches, vLLM's start-up bound and the model's cache, then the fabric
     interfaces and HCAs found on the node, then [vllm.env], then the node's configured
-    interfaces and HCAs, then the IP vLLM must use."""
+    interfaces and HCAs, then the IP vLLM must use. NCCL logs at least what the transport proof
+    reads (:mod:`nccl_logging`)."""
     fabric = fabric or NodeFabric()
     env = {
-        # NCCL says which transport it chose (checked after every launch); kept short.
-        "NCCL_DEBUG": "INFO",
-        "NCCL_DEBUG_SUBSYS": "INIT,NET",
         # Every rank's lines reach the engine's log: Ray would fold the workers' look-alike ones.
         "RAY_DEDUP_LOGS": "0",
         "PYTHONUNBUFFERED": "1",
@@ -73,8 +72,6 @@ def node_env(
         **engine_start_env(config),
         **config.vllm.source.env(),  # a repo id: the cache's hub, offline
     }
-    if "NCCL_DEBUG" in config.vllm.env:  # the operator's own NCCL logging
-        del env["NCCL_DEBUG_SUBSYS"]
     if fabric.socket_ifnames:
         env |= dict.fromkeys(PER_NODE_VARS[:4], ",".join(fabric.socket_ifnames))
         # Gloo wants the same number of interfaces in every process, and twins are up on one
@@ -83,6 +80,8 @@ def node_env(
     if fabric.ib_hca:
         env["NCCL_IB_HCA"] = fabric.ib_hca
     env.update(config.vllm.env)
+    # NCCL says which transport it chose (checked after every launch), whatever [vllm.env] asks.
+    env |= nccl_logging(config.vllm.env)
     if node.fabric_interfaces:
         env |= dict.fromkeys(PER_NODE_VARS[:4], ",".join(node.fabric_interfaces))
     if node.ib_hcas:
