@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from tests.testbed.standins import nccl
-from vllm_redeploy.config import load_config
+from vllm_redeploy.config import ConfigError, load_config
 from vllm_redeploy.launch.group import node_env
-from vllm_redeploy.launch.nccl_logging import file_problem, nccl_logging, notes
+from vllm_redeploy.nccl_logging import file_problem, nccl_logging, notes
 from vllm_redeploy.parsers.nccl_log import judge_transport
 
 ASKED = [
@@ -81,5 +81,7 @@ def test_the_containers_get_the_raised_level_and_check_config_says_why(tmp_path:
 
 def test_a_debug_file_is_refused_as_the_proof_could_not_read_it(tmp_path: Path) -> None:
     assert file_problem({"NCCL_DEBUG": "INFO"}) is None
-    problem = file_problem({"NCCL_DEBUG_FILE": "/tmp/nccl.%h.%p"})
-    assert problem is not None and "remove it" in problem
+    with pytest.raises(ConfigError) as refused:
+        load_config(write(tmp_path, 'NCCL_DEBUG_FILE = "/tmp/nccl.%h.%p"'), env_file=None)
+    assert "NCCL_DEBUG_FILE sends NCCL's log lines into a file" in str(refused.value)
+    assert "remove it" in str(refused.value)

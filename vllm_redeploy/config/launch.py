@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
+from vllm_redeploy import nccl_logging
 from vllm_redeploy.config.fields import (
     ENV_NAME_PATTERN,
     HOST_PATTERN,
@@ -109,6 +110,8 @@ class VLLMConfig(Section):
                 raise ValueError(f"{key!r} is not a valid environment variable name")
             if "\0" in value:
                 raise ValueError(f"the value of {key} contains a NUL byte")
+        if problem := nccl_logging.file_problem(env):
+            raise ValueError(problem)
         return env
 
     @field_validator("volumes")

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from vllm_redeploy.config import ClusterConfig, NodeConfig
 from vllm_redeploy.launch.caches import cache_env, cache_mounts
-from vllm_redeploy.launch.nccl_logging import nccl_logging
 from vllm_redeploy.names import container_name
+from vllm_redeploy.nccl_logging import nccl_logging
 from vllm_redeploy.nodes.containers import ContainerSpec, project_labels
 from vllm_redeploy.parsers.fabric import FabricFacts
 
