@@ -1,6 +1,7 @@
 """Step "preflight": every node reachable (waiting for late ones), Docker up, the same image,
 the model directory and its weights, Ray in the image, each node's fabric IP and fabric (its
-interfaces, RDMA HCAs and devices). ``judge_preflight`` then picks the launch backend and
+interfaces, RDMA HCAs and devices; the configured interface and HCA names against them; the
+same RoCE MTU on every node). ``judge_preflight`` then picks the launch backend and
 builds the launch plan from what was found."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from prefect.cache_policies import INPUTS, RUN_ID
 from tasks.context import RETRY_TRANSIENT, Run, StepFailed, log
 from tasks.image_facts import image_facts
 from tasks.stop_autostart import root_commands
+from vllm_redeploy.fabric_checks import Port, configured_name_problems, mtu_mismatches, roce_ports
 from vllm_redeploy.launch import (
     ImageEntrypoint,
     LaunchPlan,
@@ -207,6 +209,10 @@ def preflight_problems(
             problems.append(f"{f.node}: {refused}")
         if f.fabric is not None and not f.fabric.rdma_checked:
             problems.append(f"{f.node}: {'; '.join(f.fabric.problems())}")
+        if f.fabric is not None:
+            node = run.node_config(f.node)
+            named = configured_name_problems(f.fabric, node.fabric_interfaces, node.ib_hcas)
+            problems += [f"{f.node}: {p}" for p in named]
         if not f.fabric_ip_local:
             ip = run.node_config(f.node).ip
             problems.append(
@@ -219,6 +225,8 @@ def preflight_problems(
             problems.append(f"{f.node}: the model is not there: {config.vllm.source.where()}")
         elif f.model is not None and not copied and (bad := f.model.link_problems()):
             problems.append(f"{f.node}: {unsafe_links(config, bad)}")
+    if config.fabric.rdma == "auto":  # off: NCCL uses TCP, which adapts to any MTU
+        problems += mtu_mismatches([port for f in facts for port in _roce_ports(run, f)])
     ids = {f.image_id for f in facts if f.image_id and f.node not in syncing}
     if len(ids) > 1:
         listing = ", ".join(f"{f.node} {str(f.image_id)[:19]}" for f in facts)
@@ -227,6 +235,13 @@ def preflight_problems(
             "the same build"
         )
     return problems
+
+
+def _roce_ports(run: Run, facts: NodeFacts) -> tuple[Port, ...]:
+    if facts.fabric is None:
+        return ()
+    node = run.node_config(facts.node)
+    return roce_ports(facts.node, facts.fabric, node.fabric_interfaces, node.ib_hcas)
 
 
 def judge_preflight(run: Run, facts: list[NodeFacts]) -> LaunchPlan:

@@ -24,7 +24,8 @@ that uses them: which node "has" RDMA is decided by the HCAs its ``rdma`` report
 
 A node's interfaces and address stay across power_off/reboot (hardware, and an address set in
 netplan as NVIDIA's playbook does); :meth:`NodeFabric.lose_address` emulates an address set by
-hand that a reboot forgot. ``ip route get`` of the IP stays ``local`` either way: 127/8 is lo's.
+hand that a reboot forgot, :meth:`NodeFabric.set_mtu` an MTU it forgot. ``ip route get`` of
+the IP stays ``local`` either way: 127/8 is lo's.
 """
 
 from __future__ import annotations
@@ -134,6 +135,10 @@ class NodeFabric:
     def lose_address(self) -> None:
         """The IP set by hand is gone (what a reboot does to a Spark without netplan)."""
         _ip("addr", "del", f"{self.ip}/32", "dev", self.interface, check=False)
+
+    def set_mtu(self, mtu: int = SPARK_MTU) -> None:
+        """The fabric interface's MTU (a reboot that lost a hand-set 9000 leaves 1500)."""
+        _ip("link", "set", self.interface, "mtu", str(mtu))
 
     def remove(self) -> None:
         for name, *_ in self._ports():
