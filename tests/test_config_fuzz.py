@@ -114,6 +114,14 @@ ODD = [
 ]
 HOSTILE = [*injections(PWNED), *ODD]
 
+
+def one_argument(arg: str) -> bool:
+    """What extra_args accepts as one item: one line, and not a flag with its value
+    (``-e 'echo > x'``, refused with the fix)."""
+    flag = arg.split("=", 1)[0]
+    return "\n" not in arg and not (arg.startswith("-") and any(c.isspace() for c in flag))
+
+
 hostile_text = st.one_of(
     st.sampled_from(HOSTILE),
     st.text(max_size=30),
@@ -590,7 +598,7 @@ HAND_PICKED: list[tuple[str, bytes, dict[str, str], int]] = [
                 **BASE,
                 "vllm": {
                     **BASE["vllm"],
-                    "extra_args": [a for a in injections(PWNED + "-cli") if "\n" not in a],
+                    "extra_args": [a for a in injections(PWNED + "-cli") if one_argument(a)],
                     "env": {"X": f"$(touch {PWNED}-cli-env)"},
                 },
                 "probe": {"prompt": f"`touch {PWNED}-cli-prompt`"},
@@ -656,7 +664,7 @@ def marks_left(container_tmp: list[str] | None = None) -> list[str]:
 def hostile_config(tmp: Path, mark: str) -> tuple[Path, list[str]]:
     """A configuration that puts every injection into every free-text field that accepts it."""
     attacks = injections(mark)
-    one_line = [a for a in attacks if "\n" not in a]
+    one_line = [a for a in attacks if one_argument(a)]
     data = {
         "name": f"fz{uuid.uuid4().hex[:8]}",
         "nodes": [
@@ -782,7 +790,7 @@ def test_accepted_hostile_values_reach_the_node_verbatim_and_never_run(
 
     path, attacks = hostile_config(tmp_path, mark)
     config = load_config(path, env_file=None)  # accepted, every value as written
-    assert config.vllm.extra_args == [a for a in attacks if "\n" not in a]
+    assert config.vllm.extra_args == [a for a in attacks if one_argument(a)]
     assert config.probe.prompt == " ".join(attacks)
     secrets = list(config.secret_values())
     assert len(secrets) == 2

@@ -4,6 +4,7 @@ configuration with a one-paragraph error (exit 2) instead of a traceback.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -12,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from vllm_redeploy.config import (
+    CONFIG_VARIABLE,
     ClusterConfig,
     ConfigError,
     load_clusters,
@@ -40,9 +42,17 @@ out = Console(width=None if Console().is_terminal else 200)
 err = Console(stderr=True, width=None if Console(stderr=True).is_terminal else 200)
 
 
+# Without --config the path comes from VLLM_REDEPLOY_CONFIG (prefect.yaml's, compose.yaml's),
+# else ./cluster.toml.
 ConfigOption = Annotated[
     Path,
-    typer.Option("--config", "-c", help="Cluster configuration (TOML).", show_default=True),
+    typer.Option(
+        "--config",
+        "-c",
+        help="Cluster configuration (TOML).",
+        envvar=CONFIG_VARIABLE,
+        show_default=True,
+    ),
 ]
 
 
@@ -51,7 +61,9 @@ ConfigsOption = Annotated[
     typer.Option(
         "--config",
         "-c",
-        help="A cluster's configuration (TOML); repeat for several (each with its own env file).",
+        help="A cluster's configuration (TOML); repeat for several (each with its own env file). "
+        f"{CONFIG_VARIABLE} may name several, separated by '{os.pathsep}'.",
+        envvar=CONFIG_VARIABLE,
         show_default=True,
     ),
 ]

@@ -2,9 +2,15 @@
 concern. ``fields`` the value shapes, ``nodes``, ``launch`` and ``runs`` the sections, ``cluster``
 the whole and its rules, ``errors`` the wording, ``loading`` the sources."""
 
-from vllm_redeploy.config.cluster import ClusterConfig, describe
+from vllm_redeploy.config.cluster import SECRET_KEYS, ClusterConfig, describe, settings_data
 from vllm_redeploy.config.errors import ConfigError
-from vllm_redeploy.config.fields import DEFAULT_CONFIG, ENV_PREFIX, REMOVED_FLAGS, Seconds
+from vllm_redeploy.config.fields import (
+    CONFIG_VARIABLE,
+    DEFAULT_CONFIG,
+    ENV_PREFIX,
+    REMOVED_FLAGS,
+    Seconds,
+)
 from vllm_redeploy.config.launch import (
     CacheConfig,
     FabricConfig,
@@ -31,9 +37,11 @@ from vllm_redeploy.config.runs import (
 )
 
 __all__ = [
+    "CONFIG_VARIABLE",
     "DEFAULT_CONFIG",
     "ENV_PREFIX",
     "REMOVED_FLAGS",
+    "SECRET_KEYS",
     "AutostartConfig",
     "CacheConfig",
     "ClusterConfig",
@@ -57,4 +65,5 @@ __all__ = [
     "environ_overrides",
     "load_clusters",
     "load_config",
+    "settings_data",
 ]

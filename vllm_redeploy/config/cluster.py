@@ -36,9 +36,10 @@ class ClusterConfig(BaseSettings):
         env_nested_delimiter="__",
         env_file=".env",
         # Env files may hold other programs' variables (PREFECT_API_AUTH_STRING, for a unit's
-        # EnvironmentFile): only VLLM_REDEPLOY_ ones are ours, and a misspelt one of ours is
-        # still an error.
-        dotenv_filtering="match_prefix",
+        # EnvironmentFile): they are read like the environment, only the names of settings. A
+        # VLLM_REDEPLOY_ name that sets nothing is an error in both, in the same words
+        # (sources.Sources.unknown_variable_problems).
+        dotenv_filtering="only_existing",
         env_ignore_empty=True,
         extra="forbid",
     )
@@ -137,22 +138,35 @@ class ClusterConfig(BaseSettings):
 
     def secret_values(self) -> tuple[str, ...]:
         """Every secret's plain value, for masking in messages."""
-        secrets = (self.secrets.hf_token, self.secrets.webhook_secret, self.ssh.key_passphrase)
+        secrets = (getattr(getattr(self, section), key) for section, key in SECRET_KEYS)
         return tuple(
             s.get_secret_value() for s in secrets if s is not None and s.get_secret_value()
         )
 
 
-def describe(config: ClusterConfig) -> dict[str, Any]:
-    """The resolved configuration as plain data, secrets masked."""
+# In this order: secret_values() callers rely on it (the HF token first).
+SECRET_KEYS: tuple[tuple[str, str], ...] = (
+    ("secrets", "hf_token"),
+    ("secrets", "webhook_secret"),
+    ("ssh", "key_passphrase"),
+)
+MASK = "*****"
+
+
+def settings_data(config: ClusterConfig) -> dict[str, Any]:
+    """The resolved settings as plain data, in the file's shape (every key of every section,
+    defaults included), secrets masked."""
     data = config.model_dump(mode="json")
-    for section, fields in (
-        ("secrets", ("hf_token", "webhook_secret")),
-        ("ssh", ("key_passphrase",)),
-    ):
-        for field in fields:
-            if data[section].get(field) is not None:
-                data[section][field] = "*****"
+    for section, key in SECRET_KEYS:
+        if data[section].get(key) is not None:
+            data[section][key] = MASK
+    return data
+
+
+def describe(config: ClusterConfig) -> dict[str, Any]:
+    """The resolved configuration as plain data, secrets masked, with what follows from it:
+    the head node and the served model name."""
+    data = settings_data(config)
     data["head"] = config.head.name
     data["vllm"]["served_name"] = config.vllm.served_name
     return data

@@ -5,6 +5,7 @@ vLLM compiles, kept between starts).
 
 from __future__ import annotations
 
+import shlex
 from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
@@ -25,7 +26,71 @@ from vllm_redeploy.config.fields import (
     ServedName,
     matches,
 )
+from vllm_redeploy.config.toml_text import toml_value
 from vllm_redeploy.model_source import ModelSource, model_source
+
+
+def check_arguments(args: list[str], program: str) -> None:
+    """Each item of ``extra_args`` is one word of ``program``'s command line: no newline or NUL,
+    and not a flag with its value (``"--max-num-seqs 16"``), which the program would take for
+    one unknown option, and fail on only after the old stack was stopped."""
+    for arg in args:
+        if "\n" in arg or "\0" in arg:
+            raise ValueError(f"{arg!r} contains a newline or NUL byte")
+    joined = [arg for arg in args if _flag_with_value(arg)]
+    if joined:
+        fixed = [word for arg in args for word in (_words(arg) if arg in joined else [arg])]
+        alternative = _with_equals(joined[0])
+        raise ValueError(
+            f"{toml_value(_masked(joined[0]))} is a flag and its value in one item, but each "
+            f"item is one word of the command line, so {program} would get one unknown option "
+            f"(and fail only after the old stack was stopped): write "
+            f"extra_args = {toml_value(_masked_words(fixed))}"
+            + (f" (or {toml_value(_masked(alternative))})" if alternative else "")
+        )
+
+
+def _flag_with_value(arg: str) -> bool:
+    """``--max-num-seqs 16``: an option, then whitespace before any ``=``."""
+    return arg.startswith("-") and any(c.isspace() for c in arg.split("=", 1)[0])
+
+
+def _words(arg: str) -> list[str]:
+    try:
+        return shlex.split(arg)
+    except ValueError:  # an unclosed quote
+        return arg.split()
+
+
+def _with_equals(arg: str) -> str | None:
+    """``--max-num-seqs=16`` for ``--max-num-seqs 16``; None for more than a flag and a value."""
+    words = _words(arg)
+    if len(words) == 2 and words[0].startswith("--") and "=" not in words[0]:
+        return f"{words[0]}={words[1]}"
+    return None
+
+
+_SECRET_FLAG_WORDS = ("key", "token", "secret", "passw")
+
+
+def _secret_flag(word: str) -> bool:
+    return word.startswith("-") and any(w in word.lower() for w in _SECRET_FLAG_WORDS)
+
+
+def _masked(arg: str) -> str:
+    """An argument for a message: the value of a secret-looking flag (--api-key) masked."""
+    flag, sep, _ = arg.partition("=") if "=" in arg else arg.partition(" ")
+    return flag + sep + "*****" if sep and _secret_flag(flag) else arg
+
+
+def _masked_words(words: list[str]) -> list[str]:
+    """Words for a message: a secret-looking flag's value, in the next word, masked."""
+    after_secret = [
+        i > 0 and _secret_flag(words[i - 1]) and "=" not in words[i - 1] for i in range(len(words))
+    ]
+    return [
+        "*****" if hidden else _masked(w) for w, hidden in zip(words, after_secret, strict=True)
+    ]
 
 
 class VLLMConfig(Section):
@@ -94,12 +159,11 @@ class VLLMConfig(Section):
     @field_validator("extra_args")
     @classmethod
     def _no_removed_flags(cls, args: list[str]) -> list[str]:
+        check_arguments(args, "vLLM")
         for arg in args:
             flag = arg.split("=", 1)[0]
             if flag in REMOVED_FLAGS:
                 raise ValueError(f"{flag} was removed from vLLM: {REMOVED_FLAGS[flag]}")
-            if "\n" in arg or "\0" in arg:
-                raise ValueError(f"{arg!r} contains a newline or NUL byte")
         return args
 
     @field_validator("env")
@@ -165,10 +229,8 @@ class RayConfig(Section):
 
     @field_validator("extra_args")
     @classmethod
-    def _one_line_each(cls, args: list[str]) -> list[str]:
-        for arg in args:
-            if "\n" in arg or "\0" in arg:
-                raise ValueError(f"{arg!r} contains a newline or NUL byte")
+    def _one_word_each(cls, args: list[str]) -> list[str]:
+        check_arguments(args, "ray start")
         return args
 
 

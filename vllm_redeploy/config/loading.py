@@ -24,8 +24,17 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from vllm_redeploy.config.cluster import ClusterConfig
-from vllm_redeploy.config.errors import ConfigError, _explain, _settings_problem
-from vllm_redeploy.config.fields import DEFAULT_CONFIG, ENV_PREFIX
+from vllm_redeploy.config.errors import (
+    ConfigError,
+    _explain,
+    _settings_problem,
+    data_path,
+    location,
+    showable,
+)
+from vllm_redeploy.config.fields import CONFIG_VARIABLE, DEFAULT_CONFIG, ENV_PREFIX
+from vllm_redeploy.config.sources import Sources
+from vllm_redeploy.config.strict import TypeMistake, toml_type_mistakes
 from vllm_redeploy.safe_text import one_line, shown
 
 
@@ -37,28 +46,72 @@ def cluster_env_file(path: Path) -> Path:
 def load_config(
     path: Path | str | None = None, *, env_file: Path | str | None = ".env"
 ) -> ClusterConfig:
-    """Read and validate the configuration, or raise ConfigError naming every problem.
+    """Read and validate the configuration, or raise ConfigError naming every problem and
+    where its value came from.
 
     ``env_file``: the shared env file (`.env` in the working directory; None: none); the
     cluster's own (:func:`cluster_env_file`) is always read and wins over it."""
     path = Path(path) if path is not None else DEFAULT_CONFIG
-    data = _read_toml(path)
-    env_files = tuple(f for f in (env_file, cluster_env_file(path)) if f is not None)
-    try:
-        config = ClusterConfig(_env_file=env_files, **data)  # type: ignore[call-arg]
-    except ValidationError as exc:
-        problems: list[str] = []
-        for error in exc.errors():
-            for line in map(one_line, _explain(error).split("\n")):
-                if line not in problems:
-                    problems.append(line)
-        raise ConfigError(str(path), problems) from None
-    except SettingsError as exc:  # a list or table from the environment that is not JSON
-        raise ConfigError(str(path), [_settings_problem(exc)]) from None
-    problems = _file_problems(config)
-    if problems:
-        raise ConfigError(str(path), problems)
+    text, data = _read_toml(path)
+    env_files = tuple(Path(f) for f in (env_file, cluster_env_file(path)) if f is not None)
+    sources = Sources(path, text, data, env_files)
+    mistakes = toml_type_mistakes(data)
+    problems = sources.unknown_variable_problems()
+    problems += [_mistake_problem(m, sources) for m in mistakes]
+    config, invalid = _validated(sources, {m.loc for m in mistakes})
+    problems += invalid
+    if config is None or problems:
+        raise ConfigError(str(path), _unique(problems))
     return config
+
+
+def _validated(
+    sources: Sources, typed: set[tuple[str | int, ...]]
+) -> tuple[ClusterConfig | None, list[str]]:
+    """The merged sources validated: the configuration, or None, and the problems found."""
+    try:
+        config = ClusterConfig(_env_file=sources.env_files, **sources.toml_data)  # type: ignore[call-arg]
+    except ValidationError as exc:
+        return None, _validation_problems(exc, sources, typed)
+    except SettingsError as exc:  # a list or table from the environment that is not JSON
+        return None, [_settings_problem(exc, sources.settings())]
+    return config, _file_problems(config)
+
+
+def _validation_problems(
+    exc: ValidationError, sources: Sources, typed: set[tuple[str | int, ...]]
+) -> list[str]:
+    """A line per error, with where its value came from; none for a value whose wrong type
+    the strict pass already named (``port = "abc"``)."""
+    problems: list[str] = []
+    for error in exc.errors():
+        path = data_path(error)
+        if path in typed and _is_type_error(error):
+            continue
+        lines = _explain(error).split("\n")
+        origin = None if error["type"] == "missing" else sources.origin_of(path)
+        lines[-1] = _with_origin(lines[-1], origin)
+        problems += map(one_line, lines)
+    return problems
+
+
+def _is_type_error(error: Any) -> bool:
+    kind = str(error["type"])
+    return kind.endswith(("_parsing", "_type")) or kind == "int_from_float"
+
+
+def _mistake_problem(mistake: TypeMistake, sources: Sources) -> str:
+    text = mistake.explain(location(mistake.loc), showable(mistake.loc, mistake.value))
+    return one_line(_with_origin(text, sources.toml_origin(mistake.loc)))
+
+
+def _with_origin(line: str, origin: str | None) -> str:
+    return f"{line} (from {origin})" if origin else line
+
+
+def _unique(problems: list[str]) -> list[str]:
+    """Each problem once, on one line."""
+    return list(dict.fromkeys(map(one_line, problems)))
 
 
 def load_clusters(paths: list[Path]) -> list[ClusterConfig]:
@@ -112,18 +165,20 @@ def _is_setting(key: str) -> bool:
     return upper.startswith(ENV_PREFIX) and field in ClusterConfig.model_fields
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
+def _read_toml(path: Path) -> tuple[str, dict[str, Any]]:
+    """The file's text and its data."""
     if not path.exists():
         raise ConfigError(
             str(path),
             [
-                "the configuration file does not exist: pass --config FILE, or copy "
-                "cluster.example.toml to cluster.toml and describe your nodes"
+                "the configuration file does not exist: pass --config FILE (or set "
+                f"{CONFIG_VARIABLE}), or copy cluster.example.toml to cluster.toml and describe "
+                "your nodes"
             ],
         )
     try:
-        with path.open("rb") as f:
-            return tomllib.load(f)
+        text = path.read_bytes().decode("utf-8")
+        return text, tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(str(path), [f"not valid TOML: {one_line(exc)}"]) from None
     except UnicodeDecodeError as exc:
