@@ -6,7 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from deployments.cli import app
 from tests.testbed.standins import nccl
 from vllm_redeploy.config import ConfigError, load_config
 from vllm_redeploy.launch.group import node_env
@@ -77,6 +79,13 @@ def test_the_containers_get_the_raised_level_and_check_config_says_why(tmp_path:
     assert "NCCL_DEBUG = 'WARN'" in warning and "NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET" in (
         warning
     )
+    checked = CliRunner().invoke(app, ["check-config", "--config", str(write(tmp_path, ""))])
+    assert checked.exit_code == 0 and "warning:" not in checked.output
+    path = write(tmp_path, 'NCCL_DEBUG = "WARN"')
+    checked = CliRunner().invoke(app, ["check-config", "--config", str(path)], terminal_width=300)
+    assert checked.exit_code == 0, checked.output
+    said = " ".join(checked.output.split())
+    assert "warning: [vllm.env] NCCL_DEBUG = 'WARN' would hide NCCL's INFO line" in said
 
 
 def test_a_debug_file_is_refused_as_the_proof_could_not_read_it(tmp_path: Path) -> None:

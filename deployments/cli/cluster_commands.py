@@ -23,10 +23,15 @@ from deployments.cli.common import (
     markup_safe,
     out,
 )
+from vllm_redeploy import nccl_logging
 from vllm_redeploy.config import (
+    SECRET_KEYS,
+    ClusterConfig,
     NodeConfig,
     describe,
+    settings_data,
 )
+from vllm_redeploy.config.toml_text import is_header, toml_document
 from vllm_redeploy.endpoint import api_base
 from vllm_redeploy.gpus import GpuReport, inspect_gpus
 from vllm_redeploy.nodes import NodeAccess, check_node, fan_out
@@ -56,26 +61,25 @@ def check_config(config: ConfigOption = Path("cluster.toml"), as_json: JsonOptio
             str(node.gpus),
         )
     out.print(table)
-    sections = (
-        "vllm",
-        "ray",
-        "autostart",
-        "sync",
-        "deadlines",
-        "probe",
-        "webhook",
-        "ssh",
-        "secrets",
-    )
-    for section in sections:
-        out.print(f"[bold]\\[{section}][/]")
-        for key, value in data[section].items():
-            out.print(f"  {key} = {_show(value)}", highlight=False, markup=False, soft_wrap=True)
+    for line in settings_toml(cluster):
+        style = "bold" if is_header(line) else None
+        out.print(line, style=style, highlight=False, markup=False, soft_wrap=True)
+    for note in nccl_logging.notes(cluster.vllm.env):
+        out.print(f"[yellow]warning:[/] {markup_safe(note)}", highlight=False, soft_wrap=True)
     out.print("[green]configuration OK[/]")
 
 
-def _show(value: Any) -> str:
-    return json.dumps(value) if not isinstance(value, str) else shown(value)
+def settings_toml(cluster: ClusterConfig) -> list[str]:
+    """Every key of every section, resolved, as TOML that can be pasted into a configuration
+    file (secrets masked, as comments); the sections are the model's, so a new one shows up."""
+    derived = f"# head: {cluster.head.name}; served model name: {cluster.vllm.served_name}"
+    secrets = frozenset(SECRET_KEYS)
+    return [
+        "# the resolved configuration (TOML; secrets masked):",
+        for_terminal(derived),
+        *toml_document(settings_data(cluster), secrets),
+        "",
+    ]
 
 
 @app.command()
