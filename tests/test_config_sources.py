@@ -11,24 +11,10 @@ import typer.main
 from typer.testing import CliRunner
 
 from deployments.cli import app
+from tests.test_config import MINIMAL
 from vllm_redeploy.config import ClusterConfig, ConfigError, describe, load_config
 from vllm_redeploy.config.fields import ENV_PREFIX
 from vllm_redeploy.config.toml_lines import key_line
-
-MINIMAL = """\
-[[nodes]]
-name = "a"
-address = "10.0.0.1"
-
-[[nodes]]
-name = "b"
-address = "10.0.0.2"
-
-[vllm]
-image = "vllm/vllm-openai:v0.19.0"
-model = "/models/m"
-tensor_parallel_size = 2
-"""
 
 
 @pytest.fixture(autouse=True)

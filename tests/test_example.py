@@ -10,7 +10,6 @@ example, this test says whether it still runs.
 
 from __future__ import annotations
 
-import contextlib
 import resource
 import tomllib
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ import pytest
 
 from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import keep_for_notes, make_bed
+from tests.test_flow import containers
 from tests.testbed import image
 from tests.testbed.bed import EMULATED, GPU_TOTAL_MIB, TestBed, ray_port, to_toml
 from vllm_redeploy.config import load_config
@@ -155,12 +155,3 @@ def test_the_shipped_example_runs_the_readme_scenario(example_bed: TestBed, copi
     assert again.is_completed(), again.result(raise_on_failure=False)
     assert again.result()["action"] == "already healthy: nothing changed"
     assert containers(example_bed) == before
-
-
-def containers(bed: TestBed) -> dict[tuple[str, str], str]:
-    found: dict[tuple[str, str], str] = {}
-    for node in bed.nodes:
-        with contextlib.closing(node.engine.client()) as client:
-            for c in client.containers.list(all=True):
-                found[(node.name, c.name)] = c.id
-    return found

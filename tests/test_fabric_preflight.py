@@ -8,7 +8,6 @@ ACTIVE), real sshd and dockerd per node, the old autostart stack running.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,17 +34,9 @@ def fabric_of(bed: TestBed, node: str) -> NodeFabric:
     return found
 
 
-def running(bed: TestBed) -> dict[str, set[str]]:
-    found = {}
-    for node in bed.nodes:
-        with contextlib.closing(node.engine.client()) as client:
-            found[node.name] = {c.name for c in client.containers.list()}
-    return found
-
-
 def failed_preflight(bed: TestBed, name: str, **changes: Any) -> str:
     """Run the flow; it must fail at preflight with every node's old stack still running."""
-    before = running(bed)
+    before = bed.running()
     assert all({"glm-server", "glm-proxy"} <= names for names in before.values()), before
     path = bed.write_config(bed.root / f"{name}.toml", **changes)
     state = redeploy_vllm_cluster(str(path), "redeploy", return_state=True)
@@ -53,7 +44,7 @@ def failed_preflight(bed: TestBed, name: str, **changes: Any) -> str:
     message = str(state.result(raise_on_failure=False))
     keep_for_notes(name, message)
     assert message.startswith("preflight: "), message
-    assert running(bed) == before  # nothing was stopped, on any node
+    assert bed.running() == before  # nothing was stopped, on any node
     return message
 
 

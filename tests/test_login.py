@@ -7,7 +7,6 @@ sudo group, with no password to give), until the line the failure names is insta
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,14 +41,6 @@ def run_flow(bed: TestBed, **changes: Any) -> Any:
     return redeploy_vllm_cluster(str(path), "redeploy", return_state=True)
 
 
-def running(bed: TestBed) -> dict[str, set[str]]:
-    found = {}
-    for node in bed.nodes:
-        with contextlib.closing(node.engine.client()) as client:
-            found[node.name] = {c.name for c in client.containers.list()}
-    return found
-
-
 def test_systemd_refuses_the_login_the_old_stacks_unit(bed: TestBed) -> None:
     config = load_config(bed.config_path, env_file=None)
     with NodeAccess(config.nodes[1], config) as node:
@@ -70,7 +61,7 @@ def test_systemd_refuses_the_login_the_old_stacks_unit(bed: TestBed) -> None:
 def test_preflight_names_the_command_and_the_sudoers_line_before_anything_stops(
     bed: TestBed,
 ) -> None:
-    before = running(bed)
+    before = bed.running()
     assert all("glm-server" in names for names in before.values())
     state = run_flow(bed, autostart={"disable_units": True})
     assert state.is_failed()
@@ -83,7 +74,7 @@ def test_preflight_names_the_command_and_the_sudoers_line_before_anything_stops(
         f"`sudo -n` refuses `{systemctl} stop {UNIT}`, `{systemctl} disable --no-reload {UNIT}` "
         "(sudo: a password is required)"
     ) in message
-    assert running(bed) == before  # node-1 could have: nothing was stopped there either
+    assert bed.running() == before  # node-1 could have: nothing was stopped there either
 
     # The line it names, installed as the message says, is what the run then needs.
     line = re.search(r"with the line `([^`]+)`", message)

@@ -115,6 +115,10 @@ class TestBed:
         repo = hf_cache.repo_dir(self.hub, REPO_ID)
         return f"{repo}:{repo}:ro"
 
+    def running(self) -> dict[str, set[str]]:
+        """Per node: the names of its running containers."""
+        return {node.name: node.running() for node in self.nodes}
+
     def node(self, name: str) -> EmulatedNode:
         for node in self.nodes:
             if node.name == name:

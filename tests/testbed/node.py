@@ -215,7 +215,7 @@ class EmulatedNode:
             self.spec.gate_pid = self.gate.pid
         if expect_back:
             wait_until(
-                lambda: set(expect_back) <= self._running(),
+                lambda: set(expect_back) <= self.running(),
                 30,
                 f"{self.name}: containers {expect_back} after boot",
             )
@@ -245,7 +245,7 @@ class EmulatedNode:
         """Until the containers ``names`` run (a unit's `docker run` starts its own in a while);
         when they never do, the error quotes the journal of the units that start them."""
         try:
-            wait_until(lambda: set(names) <= self._running(), timeout, f"{self.name}: {names}")
+            wait_until(lambda: set(names) <= self.running(), timeout, f"{self.name}: {names}")
         except TimeoutError as exc:
             units = [u for u, container in self._docker_units().items() if container in names]
             if not units:
@@ -378,9 +378,10 @@ class EmulatedNode:
         self.engine.stop_engine(graceful=True)
         self.engine.start()
         self.spec.dockerd_pid = self.engine.pid
-        wait_until(lambda: set(back) <= self._running(), 30, f"{self.name}: {back} after a restart")
+        wait_until(lambda: set(back) <= self.running(), 30, f"{self.name}: {back} after a restart")
 
-    def _running(self) -> set[str]:
+    def running(self) -> set[str]:
+        """The names of the containers running on this node."""
         with contextlib.closing(self.engine.client()) as client:
             return {c.name for c in client.containers.list()}
 
