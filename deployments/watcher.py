@@ -33,14 +33,13 @@ from prefect.client.schemas.filters import (
     FlowRunFilterStateType,
 )
 from prefect.client.schemas.objects import StateType
-from prefect.exceptions import ObjectNotFound
 
 from deployments.event_sender import EventSender
+from tasks.standing.lock import holder
 from tasks.standing.marks import read_standing
 from tasks.standing.recoveries import declare_crashloop, pace, read_recover_runs
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.events import unhealthy_event
-from vllm_redeploy.names import lock_name
 from vllm_redeploy.safe_text import one_line
 from vllm_redeploy.status import collect_status
 from vllm_redeploy.watch import Look, WatchState, judge_look
@@ -73,7 +72,7 @@ class ClusterWatcher:
         if self.hang is not None and self.hang not in problems and status.endpoint.models:
             problems += (self.hang,)
         standing = read_standing(config.name)
-        look = Look(problems, busy=busy(config.name), held_back=standing.headline() is not None)
+        look = Look(problems, busy=busy(config), held_back=standing.headline() is not None)
         self.state, report = judge_look(self.state, look, datetime.now(UTC), config.watch.failures)
         if problems and not report and not self.state.reported and self.state.bad:
             log.info("%s: bad look %d of %d: %s", config.name, self.state.bad,
@@ -106,17 +105,15 @@ class ClusterWatcher:
                     one_line("; ".join(self.state.problems)))  # fmt: skip
 
 
-def busy(cluster: str) -> bool:
-    """Is a run of the cluster under way: holding it (its lock's slot is taken), or a recovery
-    already on its way (scheduled, pending, running: a restarted watcher must not ask twice)?"""
+def busy(config: ClusterConfig) -> bool:
+    """Is a run of the cluster under way: holding it (its lock names a live holder), or a
+    recovery already on its way (scheduled, pending, running: a restarted watcher must not ask
+    twice)? A slot the server counts for a finished run (a restart lost its lease) is not."""
+    if holder(config) is not None:
+        return True
     with get_client(sync_client=True) as client:
-        try:
-            if client.read_global_concurrency_limit_by_name(lock_name(cluster)).active_slots:
-                return True
-        except ObjectNotFound:
-            pass
         under_way = FlowRunFilterState(type=FlowRunFilterStateType(any_=UNDER_WAY))
-        return bool(read_recover_runs(client, cluster, FlowRunFilter(state=under_way), limit=1))
+        return bool(read_recover_runs(client, config.name, FlowRunFilter(state=under_way), limit=1))
 
 
 def watch_clusters(configs: list[ClusterConfig], stop: threading.Event | None = None) -> None:

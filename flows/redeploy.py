@@ -48,7 +48,7 @@ from tasks.memory import make_memory_free
 from tasks.ports_free import wait_ports_free
 from tasks.preflight import NodeFacts, judge_preflight, preflight_node, preflight_problems
 from tasks.probe import probe_model
-from tasks.standing.lock import cluster_lock
+from tasks.standing.lock import Hold, cluster_lock
 from tasks.standing.marks import clear_crashloop
 from tasks.standing.recoveries import SKIPPED, UNCHANGED
 from tasks.stop_autostart import stop_autostart
@@ -77,6 +77,7 @@ class Steps:
         self.summary = summary
         self.current = "start"
         self.launching = False  # the group's first container may be up: a failure removes it
+        self.hold: Hold | None = None
 
     def __call__(self, name: str, fn: Any, *args: Any) -> Any:
         self._start(name)
@@ -88,15 +89,22 @@ class Steps:
         report(StepEvent(name, "done", self.summary.steps[name]))
         return result
 
+    def change(self, name: str, fn: Any, *args: Any) -> Any:
+        """A step that changes the nodes: it starts only while this run still holds the
+        cluster (another may have taken it while the Prefect server was away)."""
+        if self.hold is not None:
+            self.hold.confirm()
+        return self(name, fn, *args)
+
     @contextmanager
-    def holding(self, name: str, hold: AbstractContextManager[Any]) -> Iterator[None]:
-        """A step that is held for the rest of the run: timed until it is taken."""
+    def holding(self, name: str, hold: AbstractContextManager[Hold]) -> Iterator[Hold]:
+        """The cluster's lock, held for the rest of the run: timed until it is taken."""
         self._start(name)
         started = time.monotonic()
-        with hold:
+        with hold as self.hold:
             self.summary.steps[name] = round(time.monotonic() - started, 2)
             report(StepEvent(name, "done", self.summary.steps[name]))
-            yield
+            yield self.hold
 
     def _start(self, name: str) -> None:
         self.current = name
@@ -191,17 +199,17 @@ def _runbook(run: Run, mode: Mode, step: Steps) -> dict[str, Any]:
         port = pick_port()
         reports = step("fabric-reach", per_node, reach_from, run, nodes, port)
         summary.notes += judge_reach(run, plan, reports, port)
-    summary.stopped = step("stop-autostart", per_node, stop_autostart, run, nodes)
+    summary.stopped = step.change("stop-autostart", per_node, stop_autostart, run, nodes)
     summary.gpus = step("gpus-clear", per_node, wait_gpus_clear, run, nodes)
     gpus = {g.node: g for g in summary.gpus}
-    summary.memory = step("memory", per_node, make_memory_free, run, nodes, gpus)
+    summary.memory = step.change("memory", per_node, make_memory_free, run, nodes, gpus)
     owner = cache_owner(config, next(f.image_user for f in facts if f.node == config.head.name))
     if owner is not None:
-        step("cache-dir", per_node, own_cache_dir, run, nodes, owner)
+        step.change("cache-dir", per_node, own_cache_dir, run, nodes, owner)
     step("ports-free", wait_ports_free, run, plan)
     step.launching = True
     for index, phase in enumerate(plan.phases):
-        summary.members = step(phase.step, launch_phase, run, plan, index) or summary.members
+        summary.members = step.change(phase.step, launch_phase, run, plan, index) or summary.members
     ready = step("wait-ready", wait_until_ready, run, plan)
     summary.load_s, summary.vllm_version = ready.waited_s, ready.version
     summary.compile_cache = compile_cache_words(config, ready.compile)
@@ -230,7 +238,7 @@ def _sync(run: Run, step: Steps, facts: list[NodeFacts]) -> list[NodeFacts]:
         wait(futures)
         return [copied for f in futures for copied in f.result()]
 
-    summary.synced = step("sync", copy_all)
+    summary.synced = step.change("sync", copy_all)
     summary.notes += [
         f"{need.target}: its earlier build of {config.vllm.image} ({need.old_image_id[:19]}) "
         "stays on the node, untagged (`docker image rm` it when no longer needed)"
@@ -280,6 +288,17 @@ def _finish(summary: RunSummary, event: bool = True) -> dict[str, Any]:
     }
 
 
+def _still_held(steps: Steps, summary: RunSummary) -> bool:
+    """Only the holder removes a half-started group: one that lost the cluster leaves it."""
+    try:
+        if steps.hold is not None:
+            steps.hold.confirm()
+    except StepFailed as exc:
+        summary.notes.append(f"did not remove the half-started group: {exc.reason}")
+        return False
+    return True
+
+
 def _fail(
     run: Run, summary: RunSummary, step: str, reason: str, keep_on_failure: bool, steps: Steps
 ) -> None:
@@ -288,7 +307,7 @@ def _fail(
     log().error("failed at %s: %s", step, reason)
     if reason.startswith("unexpected error"):
         log().error("the unexpected error's traceback", exc_info=True)
-    tear_down = steps.launching and not keep_on_failure
+    tear_down = steps.launching and not keep_on_failure and _still_held(steps, summary)
     report(StepEvent(step, "failed", summary.steps.get(step), reason))
     summary.action, summary.failed_step, summary.failure = f"failed at {step}", step, reason
     try:

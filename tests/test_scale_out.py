@@ -525,8 +525,8 @@ def test_a_killed_worker_crashes_its_run_and_the_next_run_cleans_up(
         platform.root / "scale-a-slow.toml",
         # a shard every 5 s, each logged by the run: it writes soon after its worker dies
         {"VRD_LOAD_SECONDS": "120", "VRD_SHARDS": "24"},
-        # a holder that died keeps the cluster until its lease runs out, lease_s / 4 at least
-        # (renewed every 3/4 of it): a next run sooner than that shows the crash gave it back
+        # a holder that died without giving the cluster back keeps it until it has not beaten
+        # for lease_s: a next run sooner than that shows the crash gave it back
         lease_s=LONG_LEASE_S,
     )
     a3 = platform.create_run("a", "manual", config_path=str(slow))

@@ -1,43 +1,94 @@
 """Step "cluster-lock": one run per cluster at a time, whichever deployment, process or worker
-started it.
+started it, through a restart of the Prefect server as through a dead holder.
 
-The lock is a global concurrency limit of 1 on the Prefect server, named after the cluster
-(``vllm-redeploy-cluster-<name>``), held for the whole run through a lease. A run that arrives
-while another holds it waits (queued, never dropped) up to ``[lock] wait_s``, saying who holds
-it, then fails. The lease is renewed every 3/4 of ``[lock] lease_s`` while the run lives; a run
-that dies holding it (its controller killed, its machine lost) stops renewing, and the server
-frees the cluster ``lease_s`` after the last renewal (its repossessor looks every 15 s). To free
-it at once: ``prefect gcl update vllm-redeploy-cluster-<name> --active-slots 0``.
+Two things on the Prefect server make the lock:
+- a global concurrency limit of 1 named after the cluster (``vllm-redeploy-cluster-<name>``):
+  taking its slot is how one run, and only one, gets to write the record;
+- the record, a Variable naming the holder (flow run, lease, last beat): the holder beats it every
+  ``BEAT_S`` while it lives, and it is what every other run reads before it goes ahead.
 
-The holder is also written to a Prefect Variable, only to name it in the waiting messages: the
-lease, not the Variable, is the lock.
+A Prefect server keeps its leases in memory unless told otherwise: restarted, it forgets the
+holder's lease while its database still counts the slot as taken. The holder then takes a slot
+back (its record still names it, so no one else goes ahead meanwhile), and a run that finds the
+slot taken frees it itself when the record shows the holder is gone: its flow run finished,
+crashed or deleted, released, or its beat not renewed for ``[lock] lease_s``. A holder whose
+record names another run (it lost the cluster while it could not reach the server for longer
+than ``lease_s``) stops before its next step that changes the nodes: ``Hold.confirm``.
+
+To free a cluster by hand: ``prefect gcl update vllm-redeploy-cluster-<name> --active-slots 0``
+and ``prefect variable unset vllm_redeploy__<name>__lock_holder``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
-from typing import Any
+from uuid import UUID
 
+import httpx
 from prefect import get_client, runtime
+from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.actions import (
     GlobalConcurrencyLimitCreate,
     GlobalConcurrencyLimitUpdate,
 )
-from prefect.client.schemas.objects import ConcurrencyLeaseHolder
-from prefect.concurrency.sync import concurrency
+from prefect.client.schemas.objects import TERMINAL_STATES, ConcurrencyLeaseHolder
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from prefect.variables import Variable
 
 from tasks.context import StepFailed, log
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.names import lock_name, variable_name
+from vllm_redeploy.safe_text import one_line
 
 STEP = "cluster-lock"
+POLL_S = 2.0  # a waiting run asks this often: the next run starts within seconds of the last
+BEAT_S = 10.0  # the holder renews its lease and its record this often
 SAY_EVERY_S = 30.0  # while waiting, who holds the cluster is logged this often
+CLOCK_SLACK_S = 30.0  # a beat this much older than lease_s is stale by the clock alone
+
+
+@dataclass(frozen=True)
+class Record:
+    """Who holds the cluster (the Variable ``vllm_redeploy__<cluster>__lock_holder``)."""
+
+    flow_run_id: str
+    flow_run_name: str = ""
+    deployment: str = ""
+    since: str = ""
+    beat: str = ""  # the holder's last renewal, ISO 8601 UTC
+    lease_id: str = ""
+    released: bool = False
+
+    @classmethod
+    def read(cls, cluster: str) -> Record | None:
+        value = Variable.get(variable_name(cluster, "lock_holder"))
+        if not isinstance(value, dict) or not value.get("flow_run_id"):
+            return None
+        fields = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in value.items() if k in fields})
+
+    def write(self, cluster: str) -> None:
+        Variable.set(variable_name(cluster, "lock_holder"), asdict(self), overwrite=True)
+
+    def described(self) -> str:
+        """`` (flow run NAME of DEPLOYMENT, since T)``."""
+        of = f" of {self.deployment}" if self.deployment else ""
+        since = f", since {self.since}" if self.since else ""
+        return f" (flow run {self.flow_run_name or self.flow_run_id}{of}{since})"
+
+    def age_s(self) -> float:
+        try:
+            return time.time() - datetime.fromisoformat(self.beat).timestamp()
+        except ValueError:
+            return float("inf")
 
 
 def ensure_cluster_lock(cluster: str) -> str:
@@ -59,70 +110,260 @@ def ensure_cluster_lock(cluster: str) -> str:
     return name
 
 
-@contextmanager
-def cluster_lock(config: ClusterConfig) -> Iterator[float]:
-    """Hold the cluster for the block; yields the seconds spent waiting for it."""
-    name = ensure_cluster_lock(config.name)
-    run_id = runtime.flow_run.id
-    holder = ConcurrencyLeaseHolder(type="flow_run", id=run_id) if run_id else None
-    started = time.monotonic()
-    deadline = started + config.lock.wait_s
-    while True:
-        acquired = False
-        try:
-            with concurrency(
-                name,
-                occupy=1,
-                timeout_seconds=max(1.0, min(SAY_EVERY_S, deadline - time.monotonic())),
-                lease_duration=config.lock.lease_s,
-                strict=True,
-                holder=holder,
-                # A renewal that fails once (a server restart) must not kill a 20-minute load.
-                raise_on_lease_renewal_failure=False,
-            ):
-                acquired = True
-                waited = time.monotonic() - started
-                _record_holder(config.name, waited)
-                yield waited
-            return
-        except TimeoutError:
-            if acquired:  # raised inside the block: not ours to interpret
-                raise
-        waited = time.monotonic() - started
-        held_by = _holder(config.name)
-        if time.monotonic() >= deadline:
+def holder(config: ClusterConfig) -> Record | None:
+    """The run holding the cluster now, judged as a waiting run judges it at first sight (not
+    released, its flow run not finished, its beat not stale by the clock); None if none."""
+    record = Record.read(config.name)
+    if record is None or record.released or record.age_s() >= _stale_after(config.lock.lease_s):
+        return None
+    with get_client(sync_client=True) as client:
+        return None if _finished(client, record.flow_run_id) else record
+
+
+class Hold:
+    """This run's hold on the cluster: renewed on a thread until ``release``."""
+
+    def __init__(
+        self, config: ClusterConfig, record: Record, holder: ConcurrencyLeaseHolder, waited: float
+    ) -> None:
+        self.config, self.record, self.holder, self.waited = config, record, holder, waited
+        self.lost: Record | None = None  # the run that took the cluster from this one
+        self._log = log()  # the flow run's logger, for the renewal thread too
+        self._stop = threading.Event()
+        # In this run's context: its Prefect settings (the API it talks to) and its logger.
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(
+            target=context.run, args=(self._renew,), name=f"lock-{config.name}", daemon=True
+        )
+        self._thread.start()
+
+    def confirm(self) -> None:
+        """Before a step that changes the nodes: the record still names this run, read from the
+        server (waited for up to ``lease_s`` while it does not answer)."""
+        deadline = time.monotonic() + self.config.lock.lease_s
+        while self.lost is None:
+            try:
+                record = Record.read(self.config.name)
+            except Exception as exc:  # a server restart: nobody else can take it meanwhile
+                if time.monotonic() > deadline:
+                    raise StepFailed(
+                        STEP,
+                        f"could not confirm that this run still holds {self.config.name}: the "
+                        f"Prefect server has not answered for {self.config.lock.lease_s:g} s "
+                        f"({one_line(exc)}); stopped before changing the nodes",
+                    ) from None
+                time.sleep(POLL_S)
+                continue
+            if record is not None and record.flow_run_id != self.record.flow_run_id:
+                self.lost = record
+            break
+        if self.lost is not None:
             raise StepFailed(
                 STEP,
-                f"another run of {config.name} has held the cluster for {waited / 60:.0f} min"
-                f"{held_by}; this run waited [lock] wait_s = {config.lock.wait_s:g} s. If that "
-                "run is gone, the cluster is freed [lock] lease_s after its last renewal; free it "
-                f"now with `prefect gcl update {name} --active-slots 0`",
-            ) from None
-        log().info("waiting for %s: another run holds it%s (%.0f s so far)", name, held_by, waited)
+                f"another run took {self.config.name} while this one could not renew its hold "
+                f"for [lock] lease_s = {self.config.lock.lease_s:g} s{self.lost.described()}; "
+                "this run stopped before changing the nodes, and leaves them to that run",
+            )
+
+    def release(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        if self.lost is not None:
+            return
+        with get_client(sync_client=True) as client, contextlib.suppress(Exception):
+            _release_lease(client, self.record.lease_id)
+        try:
+            replace(self.record, released=True, beat=_now()).write(self.config.name)
+        except Exception as exc:  # the next run sees this flow run finished instead
+            log().warning("could not mark the cluster released: %s", one_line(exc))
+
+    def _renew(self) -> None:
+        complained = False
+        with get_client(sync_client=True) as client:
+            while not self._stop.wait(POLL_S if complained else BEAT_S):
+                try:
+                    self._beat(client)
+                    complained = False
+                except Exception as exc:  # the server away: keep the hold, try again soon
+                    if not complained:
+                        self._log.warning("could not renew the hold on the cluster: %s",
+                                          one_line(exc))  # fmt: skip
+                    complained = True
+                if self.lost is not None:
+                    self._log.warning("another run took the cluster%s", self.lost.described())
+                    return
+
+    def _beat(self, client: SyncPrefectClient) -> None:
+        current = Record.read(self.config.name)
+        if current is not None and current.flow_run_id != self.record.flow_run_id:
+            self.lost = current
+            return
+        lease_id = self.record.lease_id
+        if not _renew_lease(client, lease_id, self.config.lock.lease_s):
+            lease_id = _take_back(client, self.config, self.holder)
+            if lease_id:
+                self._log.warning(
+                    "the Prefect server had lost this run's lease on the cluster (restarted "
+                    "without its lease storage); took the slot back"
+                )
+        self.record = replace(self.record, beat=_now(), lease_id=lease_id)
+        self.record.write(self.config.name)
 
 
-def _record_holder(cluster: str, waited: float) -> None:
-    value: dict[str, Any] = {
-        "flow_run_id": str(runtime.flow_run.id or ""),
-        "flow_run_name": runtime.flow_run.name or "",
-        "deployment": runtime.deployment.name or "",
-        "since": datetime.now(UTC).isoformat(timespec="seconds"),
-    }
+@contextmanager
+def cluster_lock(config: ClusterConfig) -> Iterator[Hold]:
+    """Hold the cluster for the block."""
+    name = ensure_cluster_lock(config.name)
+    me = str(runtime.flow_run.id or uuid.uuid4())
+    lease_holder = ConcurrencyLeaseHolder(type="flow_run", id=UUID(me))
+    started = time.monotonic()
+    deadline = started + config.lock.wait_s
+    seen: dict[tuple[str, str] | None, float] = {}  # each record's state, when first seen
+    said = started
+    record: Record | None = None
+    with get_client(sync_client=True) as client:
+        while True:
+            lease_id = ""
+            try:
+                lease_id = _try_acquire(client, name, config.lock.lease_s, lease_holder)
+                record = Record.read(config.name)
+                key = (record.flow_run_id, record.beat) if record else None
+                first_seen = seen.setdefault(key, time.monotonic())
+                gone = _gone(client, record, me, config.lock.lease_s, first_seen)
+                if lease_id and gone:
+                    break
+                if lease_id:  # a live holder whose lease the server forgot takes its slot back
+                    _release_lease(client, lease_id)
+                elif gone and record is not None:
+                    _free(client, name, record)
+                    continue
+            except Exception as exc:  # the server away: what was seen before says nothing now
+                with contextlib.suppress(Exception):
+                    _release_lease(client, lease_id)
+                seen.clear()
+                log().warning("could not ask the Prefect server for %s: %s", name, one_line(exc))
+            now = time.monotonic()
+            if now >= deadline:
+                raise StepFailed(STEP, _waited_too_long(config, now - started, record))
+            if now - said >= SAY_EVERY_S:
+                said = now
+                held_by = record.described() if record else ""
+                log().info("waiting for %s: another run holds it%s (%.0f s so far)", name,
+                           held_by, now - started)  # fmt: skip
+            time.sleep(POLL_S)
+    waited = time.monotonic() - started
+    record = Record(
+        me,
+        runtime.flow_run.name or "",
+        runtime.deployment.name or "",
+        since=_now(),
+        beat=_now(),
+        lease_id=lease_id,
+    )
     try:
-        Variable.set(variable_name(cluster, "lock_holder"), value, overwrite=True)
-    except Exception as exc:  # informational only: the lease is the lock
-        log().warning("could not record the cluster's holder: %s", exc)
+        record.write(config.name)
+    except Exception as exc:
+        with get_client(sync_client=True) as client, contextlib.suppress(Exception):
+            _release_lease(client, lease_id)
+        raise StepFailed(
+            STEP, f"took {name} but could not record this run as its holder: {one_line(exc)}"
+        ) from None
     if waited >= 1:
         log().info("holding the cluster after waiting %.0f s for another run", waited)
-
-
-def _holder(cluster: str) -> str:
-    """`` (flow run NAME of DEPLOYMENT, since T)`` from the last holder's record, or ``""``."""
+    hold = Hold(config, record, lease_holder, waited)
     try:
-        value = Variable.get(variable_name(cluster, "lock_holder"))
-    except Exception:  # informational only
-        return ""
-    if not isinstance(value, dict) or not value.get("flow_run_name"):
-        return ""
-    of = f" of {value['deployment']}" if value.get("deployment") else ""
-    return f" (flow run {value['flow_run_name']}{of}, since {value.get('since', '?')})"
+        yield hold
+    finally:
+        hold.release()
+
+
+def _gone(
+    client: SyncPrefectClient, record: Record | None, me: str, lease_s: float, first_seen: float
+) -> bool:
+    """May this run take the cluster from ``record``'s holder?"""
+    if record is None or record.released or record.flow_run_id == me:
+        return True
+    if time.monotonic() - first_seen >= lease_s or record.age_s() >= _stale_after(lease_s):
+        return True  # no beat for lease_s: its controller is gone
+    return _finished(client, record.flow_run_id)
+
+
+def _stale_after(lease_s: float) -> float:
+    return lease_s + CLOCK_SLACK_S
+
+
+def _finished(client: SyncPrefectClient, flow_run_id: str) -> bool:
+    try:
+        run = client.read_flow_run(UUID(flow_run_id))
+    except (ObjectNotFound, ValueError):
+        return True
+    return run.state_type in TERMINAL_STATES
+
+
+def _try_acquire(
+    client: SyncPrefectClient, name: str, lease_s: float, holder: ConcurrencyLeaseHolder
+) -> str:
+    """The lease of the cluster's one slot, or ``""`` while it is taken."""
+    try:
+        response = client.increment_concurrency_slots_with_lease(
+            names=[name], slots=1, mode="concurrency", lease_duration=lease_s, holder=holder
+        )
+    except httpx.HTTPStatusError as exc:
+        if exc.response.status_code == 423:
+            return ""
+        raise
+    return str(response.json()["lease_id"])
+
+
+def _renew_lease(client: SyncPrefectClient, lease_id: str, lease_s: float) -> bool:
+    """False when the server no longer knows the lease (it forgot it, or it ran out)."""
+    if not lease_id:
+        return False
+    try:
+        client.renew_concurrency_lease(lease_id=UUID(lease_id), lease_duration=lease_s)
+    except httpx.HTTPStatusError as exc:
+        if exc.response.status_code in (404, 410):
+            return False
+        raise
+    return True
+
+
+def _take_back(
+    client: SyncPrefectClient, config: ClusterConfig, holder: ConcurrencyLeaseHolder
+) -> str:
+    """A new lease for the holder whose lease the server lost; its old slot, still counted, is
+    freed first. ``""`` if another run's attempt has the slot this moment (it backs off)."""
+    name = lock_name(config.name)
+    lease_id = _try_acquire(client, name, config.lock.lease_s, holder)
+    if lease_id:
+        return lease_id
+    client.release_concurrency_slots(names=[name], slots=1, occupancy_seconds=1.0)
+    return _try_acquire(client, name, config.lock.lease_s, holder)
+
+
+def _free(client: SyncPrefectClient, name: str, record: Record) -> None:
+    """Free the slot a gone holder left taken: its lease if the server still has it, else the
+    slot the server counts without a lease."""
+    log().info("the cluster's last holder is gone%s: freeing its slot", record.described())
+    _release_lease(client, record.lease_id)
+    if client.read_global_concurrency_limit_by_name(name).active_slots:
+        client.release_concurrency_slots(names=[name], slots=1, occupancy_seconds=1.0)
+
+
+def _release_lease(client: SyncPrefectClient, lease_id: str) -> None:
+    if lease_id:
+        client.release_concurrency_slots_with_lease(lease_id=UUID(lease_id))
+
+
+def _waited_too_long(config: ClusterConfig, waited: float, record: Record | None) -> str:
+    held_by = record.described() if record else ""
+    return (
+        f"another run of {config.name} has held the cluster for {waited / 60:.0f} min{held_by}; "
+        f"this run waited [lock] wait_s = {config.lock.wait_s:g} s. A holder that is gone "
+        f"(finished, or no beat for [lock] lease_s) is freed by the next run; free it by hand "
+        f"with `prefect gcl update {lock_name(config.name)} --active-slots 0`"
+    )
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")

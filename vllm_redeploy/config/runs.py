@@ -65,9 +65,9 @@ class LockConfig(Section):
         120,
         ge=60,
         le=86400,
-        description="A run renews its hold on the cluster every 3/4 of this; one that dies "
-        "(its controller killed) frees the cluster this long after its last renewal. "
-        "Prefect's minimum is 60 s.",
+        description="The holder of the cluster beats every 10 s; a waiting run takes the "
+        "cluster from a holder that has not beaten for this long (its controller died, or "
+        "the Prefect server was away longer). Prefect's minimum is 60 s.",
     )
 
 

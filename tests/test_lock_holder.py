@@ -1,0 +1,132 @@
+"""The cluster lock knows its holder (issue 34, item 1), against the session's real Prefect
+server, with nothing but the lock itself: a slot the server still counts for a finished run is
+freed by the next run at once; a live holder is waited for even when its slot is free; a holder
+whose lease the server dropped takes a slot back; a run that lost the cluster to another stops
+before its next step that changes the nodes."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from prefect import flow, get_client
+from prefect.client.schemas.objects import Flow
+
+from tasks.context import StepFailed
+from tasks.standing.lock import BEAT_S, Record, cluster_lock, ensure_cluster_lock, holder
+from vllm_redeploy.config import load_config
+from vllm_redeploy.names import lock_name
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+
+def cluster_file(tmp_path: Path, name: str, wait_s: int = 60) -> Path:
+    path = tmp_path / f"{name}.toml"
+    path.write_text(
+        f'name = "{name}"\n'
+        '[[nodes]]\nname = "a"\naddress = "127.0.0.1"\n'
+        '[vllm]\nimage = "vllm/vllm-openai:v0.19.0"\nmodel = "/models/m"\n'
+        f"[lock]\nwait_s = {wait_s}\nlease_s = 60\n"
+    )
+    return path
+
+
+def active(url: str, cluster: str) -> int:
+    response = httpx.get(f"{url}/v2/concurrency_limits/{lock_name(cluster)}", timeout=10)
+    return int(response.json()["active_slots"])
+
+
+def slot_without_lease(cluster: str) -> None:
+    """The slot as a restarted server leaves it: counted in its database, no lease to free it."""
+    ensure_cluster_lock(cluster)
+    with get_client(sync_client=True) as client:
+        client.increment_concurrency_slots(names=[lock_name(cluster)], slots=1, mode="concurrency")
+
+
+def a_flow_run(state: str = "RUNNING") -> str:
+    """Another run of the cluster, in ``state``, as the server keeps it."""
+    with get_client(sync_client=True) as client:
+        flow_id = client.create_flow(Flow(name="some-other-run"))
+        body = {"flow_id": str(flow_id), "state": {"type": state}}
+        return str(client.request("POST", "/flow_runs/", json=body).json()["id"])
+
+
+@flow
+def take_the_cluster(path: str, then: str = "") -> float:
+    config = load_config(path, env_file=None)
+    with cluster_lock(config) as hold:
+        if then == "stolen":
+            Record(a_flow_run(), "thief", beat=_now()).write(config.name)
+            hold.confirm()
+        if then == "lease-dropped":
+            with get_client(sync_client=True) as client:
+                client.release_concurrency_slots_with_lease(
+                    lease_id=uuid.UUID(hold.record.lease_id)
+                )
+            assert active_now(config.name) == 0
+            deadline = time.monotonic() + BEAT_S * 3
+            while active_now(config.name) == 0 and time.monotonic() < deadline:
+                time.sleep(0.5)
+            hold.confirm()
+            return float(active_now(config.name))
+        return hold.waited
+
+
+def active_now(cluster: str) -> int:
+    with get_client(sync_client=True) as client:
+        return client.read_global_concurrency_limit_by_name(lock_name(cluster)).active_slots
+
+
+def _now() -> str:
+    from datetime import UTC, datetime
+
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def test_a_slot_left_counted_for_a_finished_run_is_freed_by_the_next(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    cluster = f"left{uuid.uuid4().hex[:6]}"
+    slot_without_lease(cluster)
+    finished = a_flow_run("COMPLETED")
+    Record(finished, "finished-run", since=_now(), beat=_now()).write(cluster)
+    waited = take_the_cluster(str(cluster_file(tmp_path, cluster)))
+    assert waited < 5, waited
+    assert active(prefect_api, cluster) == 0  # released at the end, not left counted again
+    record = Record.read(cluster)
+    assert record is not None and record.released
+
+
+def test_a_live_holder_is_waited_for_even_with_its_slot_free(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    cluster = f"live{uuid.uuid4().hex[:6]}"
+    ensure_cluster_lock(cluster)  # the slot free: the server forgot the lease and freed it
+    Record(a_flow_run(), "loading-run", since=_now(), beat=_now()).write(cluster)
+    config = load_config(cluster_file(tmp_path, cluster, wait_s=6), env_file=None)
+    assert holder(config) is not None  # the watcher counts the cluster as busy
+    with pytest.raises(StepFailed, match=r"held the cluster .*flow run loading-run"):
+        take_the_cluster(str(cluster_file(tmp_path, cluster, wait_s=6)))
+    assert active(prefect_api, cluster) == 0  # it let go of the slot it got meanwhile
+
+
+def test_a_holder_whose_lease_was_dropped_takes_a_slot_back(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    cluster = f"dropped{uuid.uuid4().hex[:6]}"
+    slots = take_the_cluster(str(cluster_file(tmp_path, cluster)), "lease-dropped")
+    assert slots == 1
+
+
+def test_a_run_that_lost_the_cluster_stops_before_changing_the_nodes(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    cluster = f"stolen{uuid.uuid4().hex[:6]}"
+    with pytest.raises(StepFailed, match=r"another run took .*\(flow run thief\)") as raised:
+        take_the_cluster(str(cluster_file(tmp_path, cluster)), "stolen")
+    assert raised.value.step == "cluster-lock"
+    record = Record.read(cluster)
+    assert record is not None and record.flow_run_name == "thief"  # not overwritten on release
