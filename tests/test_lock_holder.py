@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -81,8 +82,6 @@ def active_now(cluster: str) -> int:
 
 
 def _now() -> str:
-    from datetime import UTC, datetime
-
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
