@@ -27,6 +27,7 @@ import json
 import math
 import os
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -507,11 +508,16 @@ def _live_holdings(directory: Path) -> tuple[dict[str, int], bool]:
     return found, pruned
 
 
-def watch(directory: Path, interval: float = 0.1) -> None:
-    """The node's watcher: drop_caches requests and holders' deaths, until killed."""
+def watch(directory: Path, ready: Callable[[], None], interval: float = 0.05) -> None:
+    """The node's watcher: drop_caches requests and holders' deaths, until killed. A round that
+    fails (a holding half written) is said on stderr, the node's log, and the next one goes on:
+    a watcher that died would leave a node whose drop_caches does nothing."""
     memory = NodeMemory(directory)
     drop = Path(memory.usage().state.drop_caches)
+    ready()
     while True:
-        with contextlib.suppress(OSError, ValueError):
+        try:
             memory.poll(drop)
+        except Exception:  # see above
+            traceback.print_exc()
         time.sleep(interval)

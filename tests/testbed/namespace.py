@@ -19,8 +19,9 @@ so SSH sessions, the engine and the host paths of its bind mounts all see the no
 network namespace and /dev stay the host's. The holder then is the node's memory watcher until
 power-off kills it; the namespace and its mounts end with the last process inside.
 
-The holder is a shell that mounts, says ready, then execs the watcher,
-``python -m tests.testbed.namespace NODE_ROOT MEMORY_DIR`` (Python starts while the node boots).
+The holder is a shell that mounts, then execs the watcher,
+``python -m tests.testbed.namespace NODE_ROOT MEMORY_DIR``, which says ready once it watches: a
+drop_caches written before that would wait for it, where the kernel's takes effect at once.
 """
 
 from __future__ import annotations
@@ -92,9 +93,9 @@ class NodeNamespace:
                 (self._layer(target) / part).mkdir(parents=True, exist_ok=True)
         watcher = [sys.executable, "-S", "-m", "tests.testbed.namespace"]
         script = "\n".join(
-            ["set -e", *map(shlex.join, self.mounts()), "echo ready",
+            ["set -e", *map(shlex.join, self.mounts()),
              f"exec {shlex.join(watcher)} {shlex.quote(str(self.root))} "
-             f"{shlex.quote(str(self.memory_dir))} >/dev/null"]
+             f"{shlex.quote(str(self.memory_dir))}"]
         )  # fmt: skip
         argv = ["unshare", "--mount", "--ipc", "--propagation", "private", "--", "sh", "-c", script]
         with self.log.open("ab") as log:
@@ -129,5 +130,11 @@ class NodeNamespace:
             self.pid = 0
 
 
+def _say_ready() -> None:
+    sys.stdout.buffer.write(READY)
+    sys.stdout.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+
+
 if __name__ == "__main__":
-    memory.watch(Path(sys.argv[2]))
+    memory.watch(Path(sys.argv[2]), ready=_say_ready)
