@@ -24,10 +24,12 @@ from tests.conftest import keep_for_notes, make_bed
 from tests.testbed import hf_cache, image, users
 from tests.testbed.bed import TestBed
 from tests.testbed.node import EmulatedNode
-from vllm_redeploy.config import load_config
+from vllm_redeploy.config import ClusterConfig, load_config
 from vllm_redeploy.nodes import NodeAccess
 from vllm_redeploy.sync import SyncFailed, copy_image, plan_sync, route_between, survey
-from vllm_redeploy.sync.copy import sync_target
+from vllm_redeploy.sync.copy import Route, sync_target
+from vllm_redeploy.sync.manifest import STAGE
+from vllm_redeploy.sync.plan import SyncNeed
 
 pytestmark = pytest.mark.integration
 CLI = Path(sys.executable).parent / "vllm-redeploy"
@@ -114,6 +116,18 @@ def login_ssh(node: EmulatedNode, bed: TestBed) -> dict[str, str]:
     return {"ssh_key_file": f"{ssh}/id_ed25519", "known_hosts": f"{ssh}/known_hosts"}
 
 
+@contextlib.contextmanager
+def one_copy(config: ClusterConfig) -> Iterator[tuple[NodeAccess, NodeAccess, SyncNeed, Route]]:
+    """The first node as the source, the second as the target, what it needs and the route."""
+    with (
+        NodeAccess(config.nodes[0], config) as source,
+        NodeAccess(config.nodes[1], config) as target,
+    ):
+        plan = plan_sync(config, [survey(source, config), survey(target, config)])
+        (need,) = plan.needs
+        yield source, target, need, route_between(source, target, config)
+
+
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(CLI), *args], capture_output=True, text=True, timeout=300, check=False
@@ -186,13 +200,7 @@ def test_a_cut_copy_fails_keeps_what_the_node_had_and_the_next_one_resumes(
             node2.stop_sshd()
 
     try:
-        with (
-            NodeAccess(config.nodes[0], config) as source,
-            NodeAccess(config.nodes[1], config) as target,
-        ):
-            plan = plan_sync(config, [survey(source, config), survey(target, config)])
-            (need,) = plan.needs
-            route = route_between(source, target, config)
+        with one_copy(config) as (source, target, need, route):
             assert not route.direct
             with pytest.raises(SyncFailed) as caught:
                 sync_target(source, target, config, need, None, route, cut)
@@ -203,12 +211,7 @@ def test_a_cut_copy_fails_keeps_what_the_node_had_and_the_next_one_resumes(
     assert "broke off after" in str(caught.value)
     assert older.read_bytes() == b"an earlier download"  # not replaced by half a file
     assert (own["node-2"] / "mine.txt").exists()
-    with (
-        NodeAccess(config.nodes[0], config) as source,
-        NodeAccess(config.nodes[1], config) as target,
-    ):
-        plan = plan_sync(config, [survey(source, config), survey(target, config)])
-        (need,) = plan.needs
+    with one_copy(config) as (source, target, need, _):
         assert "model-00001-of-00003.safetensors" in need.staged  # received whole before the cut
         assert "model-00001-of-00003.safetensors" not in {f.path for f in need.files}
         copied = sync_target(source, target, config, need, None, route, lambda _: None)
@@ -272,6 +275,50 @@ def test_the_source_copies_straight_to_the_target_when_it_can_ssh_there(sync_bed
     assert "direct from node-1 over the fabric" in done.stdout
     assert image_id(bed, "node-2", bed.vllm_image) == image_id(bed, "node-1", bed.vllm_image)
     assert same_files(own["node-1"], own["node-2"])
+
+
+def test_the_direct_route_reports_its_bytes_as_they_go(sync_bed: TestBed) -> None:
+    """The source's pipeline samples what its ssh has read four times a second, from the
+    first moment; the samples reach the progress callback (the UI's meter)."""
+    bed = sync_bed
+    model, own = own_model(bed, "direct-progress", shards=2)
+    config = load_config(
+        config_for(bed, "direct-progress", model, sync=login_ssh(bed.node("node-1"), bed)),
+        env_file=None,
+    )
+    samples: list[int] = []
+    with one_copy(config) as (source, target, need, route):
+        assert route.direct, route
+        (copied,) = sync_target(source, target, config, need, None, route, samples.append)
+    assert samples, "no progress reached the callback"
+    assert samples == sorted(samples) and samples[-1] <= copied.bytes
+    assert same_files(own["node-1"], own["node-2"])
+
+
+def test_what_a_cut_copy_left_half_received_is_removed_and_its_room_counts(
+    sync_bed: TestBed,
+) -> None:
+    """A cut copy's partial shard, and a file of a model version no longer wanted, wait under
+    the stage: the next copy removes them first, so the disk has the room they took."""
+    bed = sync_bed
+    model, _ = own_model(bed, "partial", shards=2)  # 16.8 MB to copy
+    node2 = bed.node("node-2")
+    node2.own_dir(model.parent, tmpfs_size="22m")  # seen in the node only: written from there
+    stage = f"{model}/{STAGE}"
+    left = (
+        'mkdir -p -- "$1" && cd -- "$1" && head -c 5242880 /dev/urandom > "$2" '
+        '&& head -c 6291456 /dev/urandom > "$3" && chown -R "$4" "$1/.."'
+    )
+    shard, gone = "model-00002-of-00002.safetensors", "model-00003-of-00003.safetensors"
+    login = f"{users.LOGIN}:{users.LOGIN}"
+    assert node2.run(["sh", "-c", left, "sh", stage, shard, gone, login]).returncode == 0
+    done = cli("sync", "--model", "-c", str(config_for(bed, "partial", model)))
+    keep_for_notes("sync-partial", done.stdout + done.stderr)
+    assert done.returncode == 0, done.stdout + done.stderr  # 11 MiB free before the removal
+    assert "2 partial (11.5 MB) removed first" in done.stdout, done.stdout
+    listing = ["find", str(model), "-type", "f", "-printf", "%P %s\\n"]
+    held = sorted(node2.run(listing).stdout.split("\n"))
+    assert held == sorted(bed.node("node-1").run(listing).stdout.split("\n"))  # no stage left
 
 
 def test_verify_finds_a_file_that_only_looks_the_same(sync_bed: TestBed) -> None:

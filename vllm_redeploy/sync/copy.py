@@ -34,6 +34,8 @@ while IFS= read -r f; do
 done
 cd / && find "$2" -depth -type d -empty -delete
 """
+# $1: the stage; the rest: files under it to remove (never anything outside it).
+REMOVE_PARTIAL = 'cd -- "$1" || exit 0; shift; rm -f -- "$@"'
 # --dereference: a snapshot's files are links into its blobs; the targets get the contents
 # (the links were checked to stay inside the model's tree before anything was sent).
 SEND = ["tar", "--dereference", "--null", "--verbatim-files-from", "-T", "-", "-cf", "-"]
@@ -233,7 +235,7 @@ exec 3<&0
 {{ {send}; }} <&3 | {ssh} {receive} &
 job=$!
 while kill -0 "$job" 2>/dev/null; do
-  sed -n 's/^rchar: /{MOVED} /p' "/proc/$job/io" 2>/dev/null >&2
+  sed -n 's/^rchar: /{MOVED} /p' "/proc/$job/io" >&2 2>/dev/null
   sleep 0.25
 done
 wait "$job"
@@ -361,6 +363,21 @@ def check_room(
             )
 
 
+def remove_partial(target: NodeAccess, config: ClusterConfig, files: tuple[FileEntry, ...]) -> None:
+    """Remove files under the model's STAGE that an earlier copy did not receive whole."""
+    if not files:
+        return
+    stage = f"{config.vllm.source.tree.rstrip('/')}/{STAGE}"
+    argv = ["sh", "-c", REMOVE_PARTIAL, "sh", stage, *(f.path for f in files)]
+    removed = target.runner.run(argv, check=False)
+    if not removed.ok:
+        raise SyncFailed(
+            target.name,
+            f"could not remove what a cut copy left under {stage} on {target.name}: "
+            f"{one_line(removed.stderr or removed.stdout)}",
+        )
+
+
 def sync_target(
     source: NodeAccess,
     target: NodeAccess,
@@ -370,8 +387,9 @@ def sync_target(
     route: Route,
     on_bytes: Progress,
 ) -> list[Copied]:
-    """Everything ``need`` names, in order: room first, then the image, then the model's files.
-    ``on_bytes`` counts across both."""
+    """Everything ``need`` names, in order: what a cut copy left half-received goes, then room
+    is checked, then the image, then the model's files. ``on_bytes`` counts across both."""
+    remove_partial(target, config, need.partial)
     check_room(source, target, config, need, image_id)
     copied: list[Copied] = []
     if need.image and image_id:

@@ -28,6 +28,9 @@ class SyncNeed:
     files: tuple[FileEntry, ...] = ()  # the source's files to send
     staged: tuple[str, ...] = ()  # files a cut copy left complete: put in place, not sent
     reasons: dict[str, int] = field(default_factory=dict)  # "missing": 3, "size differs": 1
+    # What else a cut copy left under STAGE (a file it was receiving, or one the model no longer
+    # has): removed before the copy, so it neither lingers nor takes the room the copy needs.
+    partial: tuple[FileEntry, ...] = ()
 
     @property
     def model_bytes(self) -> int:
@@ -35,7 +38,7 @@ class SyncNeed:
 
     @property
     def model(self) -> bool:
-        return bool(self.files or self.staged)
+        return bool(self.files or self.staged or self.partial)
 
     def describe(self, image: str) -> str:
         parts = []
@@ -44,6 +47,9 @@ class SyncNeed:
         if self.model:
             why = ", ".join(f"{n} {r}" for r, n in self.reasons.items())
             staged = f", {len(self.staged)} already received" if self.staged else ""
+            if self.partial:
+                cut = human_bytes(sum(f.size for f in self.partial))
+                staged += f", {len(self.partial)} partial ({cut}) removed first"
             parts.append(
                 f"model: {len(self.files)} file(s), {human_bytes(self.model_bytes)} ({why}{staged})"
             )
@@ -104,7 +110,8 @@ def plan_sync(
                     continue
                 files.append(entry)
                 reasons[why] = reasons.get(why, 0) + 1
-        need = SyncNeed(target.node, image, old, tuple(files), tuple(staged), reasons)
+        partial = tuple(e for p, e in sorted(target.model.staged.items()) if p not in staged)
+        need = SyncNeed(target.node, image, old, tuple(files), tuple(staged), reasons, partial)
         if need.image or need.model:
             needs.append(need)
     return SyncPlan(source_name, tuple(needs), tuple(problems))
