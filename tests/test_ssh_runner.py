@@ -5,14 +5,18 @@ from __future__ import annotations
 import pickle
 import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import NODE_IP
+from tests.conftest import NODE_IP, keep_for_notes, make_bed
 from tests.test_local_runner import BATCH, check_batch
+from tests.testbed import users
+from tests.testbed.bed import TestBed
 from tests.testbed.dockerd import DockerEngine
+from tests.testbed.procs import pids_with_arg, wait_until
 from tests.testbed.sshd import SSHServer, keygen
 from vllm_redeploy.nodes import (
     AuthenticationFailed,
@@ -24,6 +28,7 @@ from vllm_redeploy.nodes import (
     SSHTarget,
 )
 from vllm_redeploy.nodes.docker import node_docker_for
+from vllm_redeploy.nodes.privilege import SUDO
 from vllm_redeploy.nodes.result import CommandResult
 
 pytestmark = pytest.mark.integration
@@ -289,3 +294,105 @@ def test_a_started_command_streams_both_ways_over_ssh(
     assert (len(received), proc.wait(5), proc.stderr_text()) == (3_000_000, 3, "done\n")
     assert (ssh_runner._openssh() is not None) == (client == "openssh")
     ssh_runner.close()
+
+
+# --- a command that timed out or was abandoned stops on the node -----------------------------
+# sshd signals no command that runs without a pty: closing its channel left `sleep 300` running.
+# On the bed's node, as its login `nvidia`, straight and through `sudo -n` (as root).
+LOOP = "while :; do sleep 0.2; done"
+GONE_WITHIN_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def login_bed() -> Iterator[TestBed]:
+    bed = make_bed(1, "h200", first_ip=247)
+    try:
+        yield bed
+    finally:
+        bed.down()
+
+
+@pytest.fixture
+def login_runner(login_bed: TestBed) -> Iterator[SSHRunner]:
+    node = login_bed.node("node-1")
+    target = SSHTarget(
+        host=node.ip,
+        port=node.spec.ssh_port,
+        user=users.LOGIN,
+        key_file=login_bed.client_key,
+        known_hosts=login_bed.known_hosts,
+    )
+    with SSHRunner("node-1", target) as runner:
+        yield runner
+
+
+def looping(how: str) -> tuple[list[str], str]:
+    """A command that never ends by itself, and the word that finds its processes."""
+    mark = f"vrd-loop-{uuid.uuid4().hex[:12]}"
+    argv = ["sh", "-c", LOOP, mark]
+    return ([*SUDO, *argv] if how == "sudo" else argv), mark
+
+
+def seconds_until_gone(mark: str, limit: float = 10.0) -> float:
+    started = time.monotonic()
+    while pids_with_arg(mark) and time.monotonic() - started < limit:
+        time.sleep(0.02)
+    assert not pids_with_arg(mark), f"{mark} still runs on the node after {limit:g} s"
+    return time.monotonic() - started
+
+
+def wait_running(mark: str) -> None:
+    wait_until(lambda: bool(pids_with_arg(mark)), 10, f"{mark} on the node")
+
+
+@pytest.mark.parametrize("how", ["login", "sudo"])
+def test_a_command_that_times_out_is_stopped_on_the_node(login_runner: SSHRunner, how: str) -> None:
+    argv, mark = looping(how)
+    login_runner.run(["true"], timeout=10)  # connected: the timeout is the command's alone
+    started = time.monotonic()
+    with pytest.raises(CommandTimedOut):
+        login_runner.run(argv, timeout=1.0)
+    after_timeout = time.monotonic() - started - 1.0 + seconds_until_gone(mark)
+    keep_for_notes(f"ssh-timeout-stop-{how}", f"gone {after_timeout:.2f} s after the timeout\n")
+    assert after_timeout < GONE_WITHIN_S
+    assert login_runner.run(["echo", "still usable"], timeout=10).stdout == "still usable\n"
+
+
+@pytest.mark.parametrize("how", ["login", "sudo"])
+def test_closing_the_runner_mid_command_stops_it_on_the_node(
+    login_runner: SSHRunner, how: str
+) -> None:
+    argv, mark = looping(how)
+    ended: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            login_runner.run(argv, timeout=120)
+        except BaseException as exc:
+            ended.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    wait_running(mark)
+    time.sleep(0.3)  # its group's line has come back
+    owners = {Path(f"/proc/{pid}").stat().st_uid for pid in pids_with_arg(mark)}
+    assert (0 in owners) == (how == "sudo")  # through sudo, the login stops root's command
+    closed = time.monotonic()
+    login_runner.close()
+    gone = time.monotonic() - closed + seconds_until_gone(mark)
+    thread.join(10)
+    keep_for_notes(f"ssh-close-stop-{how}", f"gone {gone:.2f} s after close()\n")
+    assert gone < GONE_WITHIN_S
+    assert not thread.is_alive() and len(ended) == 1  # the caller was told, not left waiting
+
+
+def test_a_killed_stream_is_stopped_on_the_node(
+    login_runner: SSHRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no `ssh` here: a channel of the connection
+    argv, mark = looping("login")
+    proc = login_runner.start(argv, stall_s=5)
+    wait_running(mark)
+    time.sleep(0.3)
+    proc.kill()
+    assert seconds_until_gone(mark) < GONE_WITHIN_S

@@ -9,6 +9,14 @@ Every command, stream and Docker API connection is a channel of that one connect
 OpenSSH's sshd refuses more than ``MaxSessions`` (10 by default) at once: at most
 ``MAX_CHANNELS`` are open at a time, the others wait for one to close, and a channel the node
 refuses all the same (a lower MaxSessions) is asked for again, never taken for a dead link.
+
+Closing a channel stops nothing on the node: sshd signals no command that runs without a pty (it
+only closes the command's pipes, and ``sleep`` or a hung tool never notices). So each command
+starts under a few lines of ``sh`` that first tell, on stderr, the process group sshd made for
+the session (that line is taken out of the command's stderr), then exec it; a command that timed
+out, was killed, or still runs when the runner closes is stopped by signalling that group over a
+channel of its own: TERM, then KILL after ``STOP_GRACE_S``. Through ``sudo -n`` too: sudo keeps
+the login's real uid, so the login may signal it, and it hands TERM on to what it runs as root.
 """
 
 from __future__ import annotations
@@ -20,8 +28,10 @@ import shlex
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from secrets import token_hex
 
 import paramiko
 
@@ -32,6 +42,7 @@ from vllm_redeploy.nodes.errors import (
     NodeUnreachable,
 )
 from vllm_redeploy.nodes.local import LocalRunner
+from vllm_redeploy.nodes.result import Stream
 from vllm_redeploy.nodes.runner import DEFAULT_TIMEOUT_S, OutputCapture, Process, Runner
 
 EXIT_NO_STATUS = (
@@ -43,6 +54,36 @@ POLL_S = 0.5  # backstop for select(); data and channel close wake us at once
 # Below OpenSSH's default MaxSessions (10), leaving room for a person's own session.
 MAX_CHANNELS = 8
 REFUSED_RETRY_S = 0.1  # how soon a channel the node refused is asked for again
+# $0 is the runner's mark, "$@" the command. sshd makes each session the leader of its own
+# session and process group: only such a group (group = session) is ever named.
+LEAD = (
+    "{ read -r _ _ _ _ group session _ </proc/$$/stat; } 2>/dev/null"
+    ' && [ "$group" = "$session" ] && printf "%s %s\\n" "$0" "$group" >&2; exec "$@"'
+)
+STOP_GRACE_S = 2.0  # after TERM, how long a command may take to end before KILL
+# TERM to each group ("$@"), KILL to those with a live process after the grace; a zombie is not
+# live (kill -0 counts it, and an orphan waits for a reaper that may be slow).
+STOP = f"""live() {{
+  for stat in /proc/[0-9]*/stat; do
+    read -r line <"$stat" || continue
+    set -- ${{line##*) }}
+    [ "$3" = "$want" ] && [ "$1" != Z ] && return 0
+  done 2>/dev/null
+  return 1
+}}
+for g; do kill -TERM "-$g"; done 2>/dev/null
+n=0
+for g; do
+  want=$g
+  while live; do
+    [ "$n" -ge {int(STOP_GRACE_S * 10)} ] && {{ kill -KILL "-$g"; break; }} 2>/dev/null
+    sleep 0.1
+    n=$((n + 1))
+  done
+done
+"""
+STOP_TIMEOUT_S = STOP_GRACE_S + 10.0
+MARK_LINE_MAX = 4096  # stderr bytes held back while looking for the group's line
 
 
 @dataclass(frozen=True)
@@ -108,7 +149,7 @@ class _RecordOnFirstUse(paramiko.MissingHostKeyPolicy):
 class ChannelLease:
     """An open channel holding one of its connection's ``MAX_CHANNELS`` places until closed."""
 
-    def __init__(self, channel: paramiko.Channel, places: threading.Semaphore) -> None:
+    def __init__(self, channel: paramiko.Channel, places: threading.Semaphore | None) -> None:
         self.channel = channel
         self._places: threading.Semaphore | None = places
         self._lock = threading.Lock()
@@ -144,6 +185,10 @@ class SSHRunner(Runner):
         self._lock = threading.Lock()
         self._openssh_tried = False
         self._openssh_argv: tuple[str, ...] | None = None
+        self._mark = f"@@vrd-group-{token_hex(6)}"  # no command's output can forge it
+        self._running: set[_GroupLine] = set()  # the commands on channels now, by their group
+        self._running_lock = threading.Lock()
+        self._stop_place = threading.Semaphore(1)  # one channel beyond MAX_CHANNELS, to stop
 
     def __repr__(self) -> str:
         user = f"{self.target.user}@" if self.target.user else ""
@@ -175,6 +220,13 @@ class SSHRunner(Runner):
             return self._client
 
     def close(self) -> None:
+        """Stop the commands still running on the node's channels, then drop the connection."""
+        with self._running_lock:
+            groups = [g.group for g in self._running if g.group is not None]
+        self._stop_groups(groups)
+        self._disconnect()
+
+    def _disconnect(self) -> None:
         with self._lock:
             self._drop()
 
@@ -286,7 +338,7 @@ class SSHRunner(Runner):
             except (paramiko.SSHException, EOFError, OSError, AssertionError) as exc:
                 places.release()
                 if transport is None or not transport.is_active():
-                    self.close()
+                    self._disconnect()
                     if attempt == 2:
                         raise NodeUnreachable(
                             self.node, f"cannot open an SSH session: {exc}"
@@ -314,14 +366,17 @@ class SSHRunner(Runner):
             line = _command_line(argv, env)
             return LocalRunner(self.node)._start((*client, line), env={}, stall_s=stall_s)
         lease = self.open_channel()
+        stderr = bytearray()
+        group = self._group_line(lambda _stream, data: stderr.extend(data))
         try:
-            lease.channel.exec_command(_command_line(argv, env))
+            lease.channel.exec_command(self._led(argv, env))
         except (paramiko.SSHException, EOFError, OSError) as exc:
             lease.close()
-            self.close()
+            self._forget(group)
+            self._disconnect()
             raise ConnectionLost(self.node, f"the SSH connection dropped: {exc}", "") from None
         lease.channel.settimeout(stall_s)
-        return _ChannelProcess(self, lease)
+        return _ChannelProcess(self, lease, group, stderr)
 
     def _openssh(self) -> tuple[str, ...] | None:
         """``ssh`` with this runner's host, port, user, key and known_hosts (host keys checked,
@@ -354,51 +409,151 @@ class SSHRunner(Runner):
     ) -> tuple[int | None, bool]:
         deadline = time.monotonic() + timeout
         lease = self.open_channel()
-        channel = lease.channel
+        group = self._group_line(capture.feed)
         try:
-            channel.exec_command(_command_line(argv, env))
-            if stdin is not None:
-                channel.sendall(stdin)
-            channel.shutdown_write()
-            exited_at: float | None = None
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return None, True
-                select.select([channel], [], [], min(remaining, POLL_S))
-                while channel.recv_ready():
-                    capture.feed("stdout", channel.recv(READ_CHUNK))
-                while channel.recv_stderr_ready():
-                    capture.feed("stderr", channel.recv_stderr(READ_CHUNK))
-                if channel.exit_status_ready() and not (
-                    channel.recv_ready() or channel.recv_stderr_ready()
-                ):
-                    # sshd may send the exit status before the last of the output: read on until
-                    # EOF (or a short grace, for a background child that keeps the pipe open).
-                    exited_at = exited_at or time.monotonic()
-                    if channel.eof_received or time.monotonic() - exited_at > EOF_GRACE_S:
-                        break
-            status = channel.recv_exit_status()
-            if status == EXIT_NO_STATUS and not self._still_connected():
-                raise ConnectionLost(
-                    self.node, "the SSH connection dropped while the command ran", ""
-                )
-            return status, False
+            status = self._exchange(lease.channel, self._led(argv, env), stdin, deadline, group)
         except (paramiko.SSHException, EOFError, OSError) as exc:
-            self.close()
+            self._disconnect()
             raise ConnectionLost(self.node, f"the SSH connection dropped: {exc}", "") from None
         finally:
             lease.close()
+            self._forget(group)
+        if status is None:  # closing its channel stopped nothing: stop its process group
+            self._stop_groups([group.group] if group.group is not None else [])
+            return None, True
+        return status, False
+
+    def _exchange(
+        self,
+        channel: paramiko.Channel,
+        line: str,
+        stdin: bytes | None,
+        deadline: float,
+        feed: Callable[[Stream, bytes], None],
+    ) -> int | None:
+        """Run ``line`` on ``channel``, its output to ``feed``: the exit status, or None when
+        ``deadline`` passed first."""
+        channel.exec_command(line)
+        if stdin is not None:
+            channel.sendall(stdin)
+        channel.shutdown_write()
+        exited_at: float | None = None
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            select.select([channel], [], [], min(remaining, POLL_S))
+            while channel.recv_ready():
+                feed("stdout", channel.recv(READ_CHUNK))
+            while channel.recv_stderr_ready():
+                feed("stderr", channel.recv_stderr(READ_CHUNK))
+            if channel.exit_status_ready() and not (
+                channel.recv_ready() or channel.recv_stderr_ready()
+            ):
+                # sshd may send the exit status before the last of the output: read on until
+                # EOF (or a short grace, for a background child that keeps the pipe open).
+                exited_at = exited_at or time.monotonic()
+                if channel.eof_received or time.monotonic() - exited_at > EOF_GRACE_S:
+                    break
+        status = channel.recv_exit_status()
+        if status == EXIT_NO_STATUS and not self._still_connected():
+            raise ConnectionLost(self.node, "the SSH connection dropped while the command ran", "")
+        return status
+
+    def _led(self, argv: tuple[str, ...], env: dict[str, str]) -> str:
+        """The command line that runs argv under LEAD, which names its process group first."""
+        return _command_line(("sh", "-c", LEAD, self._mark, *_env_prefix(env), *argv), {})
+
+    def _group_line(self, feed: Callable[[Stream, bytes], None]) -> _GroupLine:
+        """A filter for one command's output that finds its group's line; counted as running
+        (``close`` stops it) until ``_forget``."""
+        group = _GroupLine(self._mark, feed)
+        with self._running_lock:
+            self._running.add(group)
+        return group
+
+    def _forget(self, group: _GroupLine) -> None:
+        group.finish()
+        with self._running_lock:
+            self._running.discard(group)
+
+    def _stop_groups(self, groups: list[int]) -> None:
+        """Stop what runs in these process groups on the node (STOP), over a channel outside
+        the commands' places (a timed-out command's channel may have been the last free one).
+        Best effort: a dead connection has nobody to tell, a node that refuses the channel
+        keeps the command."""
+        client = self._client
+        transport = client.get_transport() if client is not None else None
+        if not groups or transport is None or not transport.is_active():
+            return
+        with self._stop_place:
+            try:
+                lease = ChannelLease(
+                    transport.open_session(timeout=self.target.connect_timeout_s), None
+                )
+            except (paramiko.SSHException, EOFError, OSError):
+                return
+            try:
+                line = _command_line(("sh", "-c", STOP, "sh", *map(str, groups)), {})
+                self._exchange(
+                    lease.channel, line, None, time.monotonic() + STOP_TIMEOUT_S, _ignore
+                )
+            except (ConnectionLost, paramiko.SSHException, EOFError, OSError):
+                pass
+            finally:
+                lease.close()
+
+
+class _GroupLine:
+    """Takes the line LEAD writes on stderr before the command starts (its process group on the
+    node) out of the command's stderr; lines a login script wrote before it pass through."""
+
+    def __init__(self, mark: str, feed: Callable[[Stream, bytes], None]) -> None:
+        self._prefix = f"{mark} ".encode()
+        self._feed = feed
+        self._held = b""
+        self._looking = True
+        self.group: int | None = None
+
+    def __call__(self, stream: Stream, data: bytes) -> None:
+        if stream == "stdout" or not self._looking:
+            self._feed(stream, data)
+            return
+        self._held += data
+        while self._looking and b"\n" in self._held:
+            line, _, self._held = self._held.partition(b"\n")
+            number = line.removeprefix(self._prefix)
+            if number != line and number.isdigit():
+                self.group, self._looking = int(number), False
+            else:
+                self._feed("stderr", line + b"\n")
+        if len(self._held) > MARK_LINE_MAX:
+            self._looking = False
+        if not self._looking:
+            self.finish()
+
+    def finish(self) -> None:
+        """Hand on what is held (the command ended, or no group's line came)."""
+        held, self._held = self._held, b""
+        if held:
+            self._feed("stderr", held)
+
+
+def _ignore(_stream: Stream, _data: bytes) -> None:
+    """The stop's own output: nobody reads it."""
 
 
 class _ChannelProcess(Process):
     """A command on one SSH channel of the node's connection, its stdin and stdout streamed."""
 
-    def __init__(self, runner: SSHRunner, lease: ChannelLease) -> None:
+    def __init__(
+        self, runner: SSHRunner, lease: ChannelLease, group: _GroupLine, stderr: bytearray
+    ) -> None:
         self._runner = runner
         self._lease = lease
         self._channel = lease.channel
-        self._stderr = bytearray()
+        self._group = group  # it writes the command's stderr, less its group's line, to stderr
+        self._stderr = stderr
 
     def read(self, size: int) -> bytes:
         try:
@@ -433,22 +588,31 @@ class _ChannelProcess(Process):
         self._drain_stderr()
         status = self._channel.recv_exit_status()
         self._lease.release()  # it ended: the channel no longer counts against MaxSessions
+        self._runner._forget(self._group)
         if status == EXIT_NO_STATUS and not self._runner._still_connected():
             raise ConnectionLost(self._runner.node, "the SSH connection dropped while it ran", "")
         return status
 
     def stderr_text(self) -> str:
         self._drain_stderr()
+        if self._channel.exit_status_ready():
+            self._group.finish()
         return self._stderr.decode("utf-8", "replace")
 
     def _drain_stderr(self) -> None:
         while self._channel.recv_stderr_ready():
-            self._stderr += self._channel.recv_stderr(READ_CHUNK)
+            self._group("stderr", self._channel.recv_stderr(READ_CHUNK))
 
     def kill(self) -> None:
-        # sshd hangs the session up: the command gets SIGHUP or EPIPE. On a dead connection
-        # there is no one to tell.
+        # Closing the channel stops nothing (sshd signals no command without a pty): the
+        # command's process group is stopped over another channel, unless it ended already.
+        self._drain_stderr()  # its group's line, if it has not been read yet
+        ended = self._channel.exit_status_ready()
         self._lease.close()
+        self._runner._forget(self._group)
+        group = self._group.group
+        if not ended and group is not None:
+            self._runner._stop_groups([group])
 
 
 def _first_reason(exc: paramiko.ssh_exception.NoValidConnectionsError) -> str:
@@ -485,5 +649,8 @@ def openssh_argv(
 def _command_line(argv: tuple[str, ...], env: dict[str, str]) -> str:
     """sshd drops protocol env unless AcceptEnv allows it, so env is inlined with `env`. The
     whole line is quoted by shlex.join: the remote login shell sees one word per arg."""
-    prefix = ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
-    return shlex.join([*prefix, *argv])
+    return shlex.join([*_env_prefix(env), *argv])
+
+
+def _env_prefix(env: dict[str, str]) -> list[str]:
+    return ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
