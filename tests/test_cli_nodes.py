@@ -117,7 +117,7 @@ def not_sshd() -> Iterator[tuple[str, int]]:
 
 @pytest.mark.parametrize(
     "command",
-    [["nodes"], ["run", "--dry-run"], ["status"], ["run"]],
+    [["nodes"], ["run", "--dry-run"], ["status"], ["run", "--temporary-api"]],
     ids=["nodes", "dry-run", "status", "run"],
 )
 def test_a_port_that_is_not_sshd_gives_one_line_and_no_traceback(

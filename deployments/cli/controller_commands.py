@@ -26,6 +26,7 @@ from deployments.cli.common import (
     load_or_exit,
     out,
 )
+from deployments.cli.prefect_api import controller_or_exit
 from vllm_redeploy.nodes import RemoteError
 from vllm_redeploy.safe_text import for_terminal, shown
 
@@ -38,7 +39,9 @@ def serve(config: ConfigsOption = CONFIGS_DEFAULT) -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from deployments.definitions import serve_deployments
 
-    serve_deployments(list(zip(clusters, config, strict=True)))
+    # A service keeps going while Prefect restarts: no check that it answers now.
+    with controller_or_exit(clusters, config, "serve", check=False):
+        serve_deployments(list(zip(clusters, config, strict=True)))
 
 
 @app.command()
@@ -52,10 +55,11 @@ def watch(config: ConfigsOption = CONFIGS_DEFAULT) -> None:
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        watch_clusters(clusters, stop)
-    except KeyboardInterrupt:
-        stop.set()
+    with controller_or_exit(clusters, config, "watch", check=False):
+        try:
+            watch_clusters(clusters, stop)
+        except KeyboardInterrupt:
+            stop.set()
 
 
 @app.command()
@@ -72,7 +76,8 @@ def pause(
     seconds = _duration_s(for_) if for_ else None
     from tasks.standing.marks import pause as pause_cluster
 
-    paused = pause_cluster(cluster.name, reason, seconds)
+    with controller_or_exit([cluster], [config], "pause"):
+        paused = pause_cluster(cluster.name, reason, seconds)
     out.print(f"{cluster.name}: {for_terminal(paused.describe())}", markup=False, highlight=False)
 
 
@@ -82,7 +87,8 @@ def resume(config: ConfigOption = Path("cluster.toml")) -> None:
     cluster = load_or_exit(config)
     from tasks.standing.marks import resume as resume_cluster
 
-    cleared = resume_cluster(cluster.name)
+    with controller_or_exit([cluster], [config], "resume"):
+        cleared = resume_cluster(cluster.name)
     what = " and ".join(cleared) or "nothing (it was neither paused nor crash-looping)"
     out.print(f"{cluster.name}: cleared {what}", markup=False, highlight=False)
 
@@ -109,7 +115,8 @@ def webhook(
     from deployments.webhook import serve_webhook
 
     try:
-        serve_webhook(clusters, host, port)
+        with controller_or_exit(clusters, config, "webhook", check=False):
+            serve_webhook(clusters, host, port)
     except ValueError as exc:
         err.print(for_terminal(exc), markup=False, highlight=False)
         raise typer.Exit(EXIT_CONFIG) from None

@@ -33,6 +33,8 @@ from deployments.cli.common import (
     load_or_exit,
     out,
 )
+from deployments.cli.prefect_api import TemporaryApiOption, controller_or_exit, temporary_api
+from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.nodes import RemoteError
 from vllm_redeploy.parsers.vllm_log import LoadProgress
 from vllm_redeploy.safe_text import for_terminal
@@ -51,13 +53,15 @@ def run_command(
     keep_on_failure: Annotated[
         bool, typer.Option("--keep-on-failure", help="Leave a failed group running to debug it.")
     ] = False,
+    temporary: TemporaryApiOption = False,
 ) -> None:
-    """Run the redeploy flow once (a temporary Prefect API unless PREFECT_API_URL is set)."""
+    """Run the redeploy flow once, on the controller's Prefect API (PREFECT_API_URL, else the
+    cluster's env file, else the installed units); refused when none is found."""
     if mode not in ("redeploy", "ensure"):
         err.print(f"--mode must be redeploy or ensure, not {mode!r}", highlight=False)
         raise typer.Exit(EXIT_CONFIG)
     cluster = load_or_exit(config)
-    if dry_run:
+    if dry_run:  # asks the nodes only, never Prefect
         from vllm_redeploy.dry_run import plan_lines
 
         for line in plan_lines(cluster):
@@ -65,6 +69,16 @@ def run_command(
         return
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")  # Prefect's client telemetry (3.9), separately
+    if temporary:
+        with temporary_api([cluster], [config]):
+            _run(cluster, config, mode, keep_on_failure)
+        return
+    with controller_or_exit([cluster], [config], "run"):
+        _run(cluster, config, mode, keep_on_failure)
+
+
+def _run(cluster: ClusterConfig, config: Path, mode: str, keep_on_failure: bool) -> None:
+    """The flow once, shown as it goes; its failure in words (exit 1)."""
     from flows.redeploy import redeploy_vllm_cluster
     from tasks.context import StepFailed
 

@@ -5,7 +5,6 @@ piped.
 from __future__ import annotations
 
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import typer
@@ -22,6 +21,8 @@ from deployments.cli.common import (
     markup_safe,
     out,
 )
+from deployments.cli.prefect_api import Found, api_key, find_api, talking_to
+from vllm_redeploy.controller_api import ControllerApi, problem_with
 from vllm_redeploy.launch.ray import RayMember
 from vllm_redeploy.safe_text import for_terminal, one_line
 from vllm_redeploy.status import ClusterStatus, GpuStatus, NodeStatus, collect_status, duration
@@ -32,42 +33,67 @@ def status(config: ConfigsOption = CONFIGS_DEFAULT, as_json: JsonOption = False)
     """The deployment now: nodes, containers, GPUs, Ray, endpoint, probe; one screen per
     cluster (repeat --config). Exit 0 iff every cluster is healthy."""
     clusters = load_all_or_exit(config)
-    with ThreadPoolExecutor(max_workers=2 * len(clusters)) as pool:
-        standings = [pool.submit(_standing, c.name) for c in clusters]
+    found = find_api(clusters, config)
+    unknown = _unknown_standing(found)
+    read_from = found.api if found.api is not None and unknown is None else None
+    with (
+        talking_to(read_from.environment() if read_from else {}),
+        ThreadPoolExecutor(max_workers=2 * len(clusters)) as pool,
+    ):
+        standings = [pool.submit(_standing, c.name, unknown, read_from) for c in clusters]
         reports = list(pool.map(collect_status, clusters))
         held = [s.result() for s in standings]
     if as_json:
-        found = [{**r.as_dict(), "standing": h} for r, h in zip(reports, held, strict=True)]
-        out.print_json(json.dumps(found[0] if len(found) == 1 else found))
+        api = {"url": read_from.url, "source": read_from.source} if read_from else None
+        found_json = [
+            {**r.as_dict(), "standing": h, "prefect_api": api}
+            for r, h in zip(reports, held, strict=True)
+        ]
+        out.print_json(json.dumps(found_json[0] if len(found_json) == 1 else found_json))
     else:
         for i, (report, standing) in enumerate(zip(reports, held, strict=True)):
             if i:
                 out.rule(style="dim")
-            print_status(report, standing)
+            print_status(report, standing, read_from=read_from)
     if not all(r.healthy for r in reports):
         raise typer.Exit(EXIT_UNREACHABLE)
 
 
-def _standing(cluster: str) -> str | None:
-    """Paused or crash-looping (kept in Prefect), when a Prefect API is configured to ask."""
-    if not os.environ.get("PREFECT_API_URL"):
-        return None
+def _unknown_standing(found: Found) -> str | None:
+    """Why the standing cannot be read (no API found, or it does not answer), or None."""
+    if found.api is None:
+        return f"standing unknown: {found.problem} {found.fix()}."
+    problem = problem_with(found.api, api_key())
+    return f"standing unknown: {problem}" if problem else None
+
+
+def _standing(cluster: str, unknown: str | None, api: ControllerApi | None) -> str | None:
+    """Paused or crash-looping (kept in Prefect's Variables), or why it is unknown."""
+    if unknown is not None or api is None:
+        return unknown
     from tasks.standing.marks import read_standing
 
     try:
         return read_standing(cluster).headline()
     except Exception as exc:  # status must work while Prefect is down
-        return f"unknown (Prefect did not answer: {one_line(exc)[:200]})"
+        return f"standing unknown: {api.described()} failed: {one_line(exc)[:200]}"
 
 
 def print_status(
-    report: ClusterStatus, standing: str | None = None, console: Console = out
+    report: ClusterStatus,
+    standing: str | None = None,
+    console: Console = out,
+    read_from: ControllerApi | None = None,
 ) -> None:
-    """Colours and tables in a terminal; the same text without escape codes when piped."""
+    """Colours and tables in a terminal; the same text without escape codes when piped.
+    ``read_from``: the Prefect API the standing was read from, named when not the default."""
     verdict = "[bold green]healthy[/]" if report.healthy else "[bold red]not healthy[/]"
     console.print(f"[bold]cluster {markup_safe(report.cluster)}[/]: {verdict}", highlight=False)
     if standing:
-        console.print(f"[bold yellow]{markup_safe(standing)}[/]", highlight=False)
+        console.print(f"[bold yellow]{markup_safe(standing)}[/]", highlight=False, soft_wrap=True)
+    if read_from is not None and not read_from.is_default():
+        line = f"standing read from {markup_safe(read_from.described())}"
+        console.print(line, highlight=False, soft_wrap=True)
     members = {m.ip: m for m in report.ray.members}
     table = Table(show_edge=False, show_lines=True)
     for column in ("node", "reachable", "our containers", "GPU", "Ray"):
