@@ -6,29 +6,45 @@ shared secret (see ``sign``), hands a ``vllm.node.rebooted`` event to an ``Event
 answers 202 at once: it never waits for Prefect, let alone for the flow run the event triggers.
 Once every node of the cluster has reported (or ``reboot_delay_s`` after the first did), it hands
 one ``vllm.cluster.rebooted`` on too (``reboot_rounds``): the after-reboot run starts on that.
+
+A boot already accepted is answered again (202, same event id) but queued once, so a notice
+replayed inside the replay window cannot fill the queue. The service serves no documentation
+(``create_app(...).openapi()`` gives the schema to developers), and it guards itself against
+clients that connect and send slowly or not at all, without the secret: deadlines for a request's
+headers and body, a cap on connections sized under the open-file limit, where a newcomer closes
+the oldest connection still sending, and a log that says "N more like this suppressed" instead
+of repeating one warning (``GuardedH11Protocol``, ``FloodFilter``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import hmac
 import logging
+import os
 import re
+import resource
 import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from typing import Annotated, Any, Protocol
+from collections import deque
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Protocol
 
+import h11
 import uvicorn
 from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from deployments.event_sender import EventSender, reboot_event
+from deployments.event_sender import EventSender, reboot_event, reboot_event_id
 from deployments.reboot_rounds import RebootRounds
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.names import webhook_path
@@ -40,6 +56,10 @@ SECRET_ENV = "VLLM_REDEPLOY_SECRETS__WEBHOOK_SECRET"  # noqa: S105 - a variable 
 MIN_SECRET_CHARS = 16
 _TIMESTAMP = re.compile(r"^[0-9]{1,12}$")
 _SIGNATURE = re.compile(r"^sha256=([0-9a-fA-F]{64})$")
+RECENT_BOOTS = 8  # per node: a replayed notice of a boot before the last few is queued again
+# Open files kept free besides the connections: the listener, the event loop's, Prefect's
+# connections, spool writes, logs.
+RESERVED_FILES = 32
 
 log = logging.getLogger("vllm_redeploy.webhook")
 
@@ -127,6 +147,9 @@ def create_app(clusters: ClusterConfig | Sequence[ClusterConfig], sender: Sender
         title="vllm-redeploy reboot webhook",
         version="1",
         description=f"Nodes of cluster {names} report their boots here.",
+        docs_url=None,  # nothing for strangers to browse; app.openapi() still gives the schema
+        redoc_url=None,
+        openapi_url=None,
     )
 
     @app.get("/healthz", response_model=Health)
@@ -135,14 +158,35 @@ def create_app(clusters: ClusterConfig | Sequence[ClusterConfig], sender: Sender
 
     for config in configs:
         rounds = RebootRounds(config, sender.submit)
-        _add_reboot_route(app, config, sender, rounds, f"{webhook_path(config.name)}/reboot")
+        boots = RecentBoots()
+        route = (app, config, sender, rounds, boots)
+        _add_reboot_route(*route, f"{webhook_path(config.name)}/reboot")
         if len(configs) == 1:
-            _add_reboot_route(app, config, sender, rounds, "/reboot")
+            _add_reboot_route(*route, "/reboot")
     return app
 
 
+class RecentBoots:
+    """The last few boots accepted from each node of one cluster."""
+
+    def __init__(self) -> None:
+        self._boots: dict[str, deque[str]] = {}
+
+    def __contains__(self, node_boot: tuple[str, str]) -> bool:
+        node, boot = node_boot
+        return boot in self._boots.get(node, ())
+
+    def add(self, node: str, boot: str) -> None:
+        self._boots.setdefault(node, deque(maxlen=RECENT_BOOTS)).append(boot)
+
+
 def _add_reboot_route(
-    app: FastAPI, config: ClusterConfig, sender: Sender, rounds: RebootRounds, path: str
+    app: FastAPI,
+    config: ClusterConfig,
+    sender: Sender,
+    rounds: RebootRounds,
+    boots: RecentBoots,
+    path: str,
 ) -> None:
     key = webhook_secret(config).encode()
     nodes = {n.name for n in config.nodes}
@@ -185,7 +229,8 @@ def _add_reboot_route(
 
         def refuse(status: int, message: str, headers: dict[str, str] | None = None) -> Any:
             message = one_line(message)
-            log.warning("refused a call from %s: %d %s", client, status, message)
+            flood = {"flood_key": f"refused {status}"}
+            log.warning("refused a call from %s: %d %s", client, status, message, extra=flood)
             return _problem(status, message, headers)
 
         declared = request.headers.get("content-length")
@@ -208,8 +253,8 @@ def _add_reboot_route(
                 body += chunk[: limit + 1 - len(body)]
                 if len(body) > limit:
                     return refuse(413, f"body over {limit} bytes", {"Connection": "close"})
-        except ClientDisconnect:  # the caller went away mid-body: nobody to answer, no traceback
-            return refuse(400, "the body ended early (the client disconnected)")
+        except ClientDisconnect:  # gone mid-body, or cut off by the deadline: nobody to answer
+            return refuse(400, "the body ended early (the client left, or sent too slowly)")
         expected = hmac.new(key, f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
         if not hmac.compare_digest(expected.encode(), given.group(1).lower().encode()):
             return refuse(401, "bad signature")
@@ -221,18 +266,293 @@ def _add_reboot_route(
             return refuse(400, f"invalid body: {where}: {error['msg']}"[:200])
         if notice.node not in nodes:
             return refuse(400, f"node {notice.node[:64]!r} is not in cluster {config.name!r}")
-        event = reboot_event(config.name, notice.node, str(notice.boot_id), notice.uptime_s)
+        boot = str(notice.boot_id)
+        event_id = reboot_event_id(config.name, notice.node, boot)
+        if (notice.node, boot) in boots:  # a retry, or the same notice replayed
+            log.info(
+                "%s: boot %s already accepted: event %s not queued again",
+                notice.node,
+                boot,
+                event_id,
+                extra={"flood_key": "repeated boot"},
+            )
+            return JSONResponse({"accepted": True, "event_id": event_id}, status_code=202)
+        event = reboot_event(config.name, notice.node, boot, notice.uptime_s)
         if not sender.submit(event):
             return refuse(503, "event queue full; retry later", {"Retry-After": "30"})
+        boots.add(notice.node, boot)  # no await since the check above: no other call between
         log.info(
             "%s rebooted (boot %s, up %.0f s): event %s queued",
             notice.node,
-            notice.boot_id,
+            boot,
             notice.uptime_s,
-            event["id"],
+            event_id,
         )
-        rounds.reported(notice.node, str(notice.boot_id))
-        return JSONResponse({"accepted": True, "event_id": event["id"]}, status_code=202)
+        rounds.reported(notice.node, boot)
+        return JSONResponse({"accepted": True, "event_id": event_id}, status_code=202)
+
+
+# --- connections: deadlines, and a cap under the open-file limit ------------------------------
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """What one server allows its connections (the [webhook] settings, fitted to the open-file
+    limit by ``fit_open_files``)."""
+
+    header_timeout_s: float = 5.0
+    body_timeout_s: float = 5.0
+    max_connections: int = 512
+    backlog: int = 128  # the listen queue, and how many asyncio accepts in one go
+
+
+def fit_open_files(limits: ConnectionLimits, raise_soft_limit: bool) -> ConnectionLimits:
+    """``limits`` with the connection cap and backlog this process's RLIMIT_NOFILE leaves room
+    for, after raising the soft limit to the hard one if asked; ValueError when too little."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    ceiling = min(hard if hard != resource.RLIM_INFINITY else 1 << 20, 1 << 20)
+    if raise_soft_limit and (soft == resource.RLIM_INFINITY or soft < ceiling):
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (ceiling, hard))
+            soft = ceiling
+    soft = min(soft if soft != resource.RLIM_INFINITY else 1 << 20, 1 << 20)
+    spare = soft - _open_files() - RESERVED_FILES
+    backlog = max(8, min(128, spare // 8))
+    # asyncio accepts up to `backlog` connections per pass before this protocol counts (and
+    # closes) any of them, and a closed socket is released a pass later: room for three passes
+    # stays free, so accept() never fails with EMFILE.
+    cap = min(limits.max_connections, spare - 3 * backlog)
+    if cap < 8:
+        raise ValueError(
+            f"the open-file limit ({soft}) leaves room for {max(cap, 0)} connections to the "
+            "webhook: raise it (LimitNOFILE= in the systemd unit, ulimits in compose)"
+        )
+    return ConnectionLimits(limits.header_timeout_s, limits.body_timeout_s, cap, backlog)
+
+
+def _open_files() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:  # not Linux: assume a busy process
+        return 64
+
+
+class Connections:
+    """One server's connections, oldest first. Beyond ``cap``, a newcomer closes the oldest one
+    still sending its request (or idle between requests): one that sends slowly, or not at all,
+    cannot keep a node's notice out, however many of them there are."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self._open: dict[GuardedH11Protocol, None] = {}
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def admit(self, conn: GuardedH11Protocol) -> bool:
+        if len(self._open) >= self.cap:
+            oldest = next((c for c in self._open if c.waiting), None)
+            if oldest is None:
+                log.warning(
+                    "%d connections open, every one being answered: refused a new one",
+                    len(self._open),
+                    extra={"flood_key": "refused connection"},
+                )
+                return False
+            log.warning(
+                "%d connections open (the most allowed): closed the oldest still sending",
+                len(self._open),
+                extra={"flood_key": "evicted connection"},
+            )
+            self.remove(oldest)
+            oldest.transport.close()
+        self._open[conn] = None
+        return True
+
+    def remove(self, conn: GuardedH11Protocol) -> None:
+        self._open.pop(conn, None)
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with deadlines and a cap. A request's headers must be in within
+    ``header_timeout_s`` of the connection (or of the answer to the previous request), its body
+    within ``body_timeout_s`` of its headers, however the bytes trickle in; else the connection
+    is closed. uvicorn arms no timer before a first request, and its keep-alive timer restarts
+    with every byte received, so neither bounds a slow sender."""
+
+    limits: ClassVar[ConnectionLimits]
+    table: ClassVar[Connections]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._phase: str | None = None  # "headers" or "body": what the deadline waits for
+        self._deadline: asyncio.TimerHandle | None = None
+
+    @property
+    def waiting(self) -> bool:
+        """Sending a request (or idle), as opposed to being answered."""
+        return self._phase is not None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if not self.table.admit(self):
+            transport.close()
+            return
+        self._follow()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._follow()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._follow()  # the next request's headers are due now (or are in already)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._arm(None)
+        self.table.remove(self)
+        super().connection_lost(exc)
+
+    def _follow(self) -> None:
+        """Arm the deadline for what the client owes now; keep it while that stays the same."""
+        state = self.conn.their_state
+        phase = "headers" if state is h11.IDLE else "body" if state is h11.SEND_BODY else None
+        if self.transport.is_closing():
+            phase = None
+        if phase != self._phase:
+            self._arm(phase)
+
+    def _arm(self, phase: str | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        self._phase = phase
+        if phase is not None:
+            limits = self.limits
+            timeout = limits.header_timeout_s if phase == "headers" else limits.body_timeout_s
+            self._deadline = self.loop.call_later(timeout, self._expired, phase, timeout)
+
+    def _expired(self, phase: str, timeout: float) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        log.warning(
+            "closed a connection from %s: the request's %s did not arrive within %g s",
+            self.client[0] if self.client else "?",
+            phase,
+            timeout,
+            extra={"flood_key": f"slow {phase}"},
+        )
+        self.transport.close()
+
+
+def guarded_protocol(limits: ConnectionLimits) -> type[GuardedH11Protocol]:
+    """The protocol class for one server: its own limits and connection table."""
+
+    class Guarded(GuardedH11Protocol):
+        pass
+
+    Guarded.limits = limits
+    Guarded.table = Connections(limits.max_connections)
+    return Guarded
+
+
+# --- a log that cannot flood ----------------------------------------------------------------
+
+
+@dataclass
+class _Spell:
+    start: float
+    logged: int = 0
+    held: int = 0
+
+
+class FloodFilter(logging.Filter):
+    """Lets through at most ``burst`` records of one kind per ``interval_s``; the first one of
+    that kind let through afterwards says how many were held back. A kind: a record's
+    ``flood_key`` (extra=), a 4xx/5xx access line's status, or a warning's message template."""
+
+    MAX_KINDS = 256
+
+    def __init__(
+        self,
+        burst: int = 10,
+        interval_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__()
+        self.burst = burst
+        self.interval_s = interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._spells: dict[Hashable, _Spell] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        kind = _flood_kind(record)
+        if kind is None:
+            return True
+        now = self._clock()
+        with self._lock:
+            spell = self._spells.get(kind)
+            if spell is None or now - spell.start >= self.interval_s:
+                held = spell.held if spell is not None else 0
+                spell = self._spells[kind] = _Spell(now)
+                self._forget_old(now)
+                if held:
+                    record.msg = f"{record.msg} ({held} more like this suppressed)"
+            if spell.logged < self.burst:
+                spell.logged += 1
+                return True
+            spell.held += 1
+            return False
+
+    def _forget_old(self, now: float) -> None:
+        if len(self._spells) > self.MAX_KINDS:  # messages that embed changing text
+            for kind in [k for k, s in self._spells.items() if now - s.start >= self.interval_s]:
+                del self._spells[kind]
+
+
+def _flood_kind(record: logging.LogRecord) -> Hashable | None:
+    key = getattr(record, "flood_key", None)
+    if key is not None:
+        return (record.name, key)
+    if record.name == "uvicorn.access":
+        args = record.args if isinstance(record.args, tuple) else ()
+        status = args[4] if len(args) > 4 else None
+        return (record.name, status) if isinstance(status, int) and status >= 400 else None
+    if record.levelno >= logging.WARNING:  # asyncio's (accept() and EMFILE), uvicorn's
+        return (record.name, record.levelno, str(record.msg).split("\n", 1)[0][:80])
+    return None
+
+
+FLOOD_FILTER = FloodFilter()
+FLOODED_LOGGERS = (
+    "asyncio",
+    "uvicorn.error",
+    "uvicorn.access",
+    "vllm_redeploy.webhook",
+    "vllm_redeploy.events",
+)
+
+
+def _guard_logs() -> None:
+    """Put the flood filter on the loggers a stranger can make talk (after uvicorn configured
+    its own: a logger's filters see only the records made on it)."""
+    for name in FLOODED_LOGGERS:
+        logging.getLogger(name).addFilter(FLOOD_FILTER)
+
+
+def _uvicorn_config(app: FastAPI, limits: ConnectionLimits, **options: Any) -> uvicorn.Config:
+    config = uvicorn.Config(
+        app,
+        http=guarded_protocol(limits),
+        ws="none",  # no WebSocket routes; an upgrade would leave the guarded protocol
+        backlog=limits.backlog,
+        server_header=False,
+        **options,
+    )
+    _guard_logs()
+    return config
 
 
 def serve_webhook(
@@ -250,9 +570,18 @@ def serve_webhook(
     configs = [clusters] if isinstance(clusters, ClusterConfig) else list(clusters)
     for config in configs:
         webhook_secret(config)
-    host = host or _one_bind(configs, "host", lambda c: c.webhook.host)
-    port = port or int(_one_bind(configs, "port", lambda c: str(c.webhook.port)))
-    sender = sender or EventSender()
+    host = host or _one_setting(configs, "host", lambda w: w.host, flag=True)
+    port = port or int(_one_setting(configs, "port", lambda w: w.port, flag=True))
+    limits = fit_open_files(connection_limits(configs), raise_soft_limit=True)
+    if sender is None:
+        spool = spool_directory(configs)
+        try:
+            sender = EventSender(spool_dir=spool)
+        except OSError as exc:
+            raise ValueError(
+                f"cannot keep accepted notices in {spool} ({exc}): set webhook.spool_dir to a "
+                "directory this service may write"
+            ) from None
     # After its graceful shutdown uvicorn raises the signal again with the previous handler in
     # place; for SIGTERM (systemctl stop) the default one ends the process at once, before the
     # `finally` below hands Prefect the events still queued (already answered 202, so no node
@@ -264,31 +593,69 @@ def serve_webhook(
     )
     try:
         app = create_app(configs, sender)
-        uvicorn.run(
+        config = _uvicorn_config(
             app,
+            limits,
             host=host,
             port=port,
             log_level="info",
             access_log=True,  # method, path and status only: headers are never logged
-            server_header=False,
             timeout_graceful_shutdown=5,
         )
+        log.info(
+            "at most %d connections at once (open-file limit %d); a request's headers due "
+            "within %g s, its body within %g s",
+            limits.max_connections,
+            resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+            limits.header_timeout_s,
+            limits.body_timeout_s,
+        )
+        uvicorn.Server(config).run()
     finally:
         sender.close(timeout=10)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _one_bind(
-    configs: list[ClusterConfig], what: str, value: Callable[[ClusterConfig], str]
-) -> str:
-    """The one webhook.host (or port) every cluster names, or ValueError saying how to choose."""
-    values = {value(c) for c in configs}
+def connection_limits(configs: Sequence[ClusterConfig]) -> ConnectionLimits:
+    """The [webhook] limits every served cluster names (ValueError where they differ)."""
+    return ConnectionLimits(
+        header_timeout_s=_one_setting(configs, "header_timeout_s", lambda w: w.header_timeout_s),
+        body_timeout_s=_one_setting(configs, "body_timeout_s", lambda w: w.body_timeout_s),
+        max_connections=_one_setting(configs, "max_connections", lambda w: w.max_connections),
+    )
+
+
+def spool_directory(configs: Sequence[ClusterConfig]) -> Path:
+    """Where the webhook of ``configs`` keeps accepted notices until Prefect has them:
+    webhook.spool_dir, else webhook-spool/NAME[+NAME...] under the service's state directory
+    (systemd's $STATE_DIRECTORY, else $XDG_STATE_HOME/vllm-redeploy or
+    ~/.local/state/vllm-redeploy), one per set of clusters, so that webhook@a and webhook@b
+    (which share the unit's StateDirectory) never send each other's."""
+    explicit = _one_setting(configs, "spool_dir", lambda w: w.spool_dir)
+    if explicit is not None:
+        return Path(explicit)
+    state = os.environ.get("STATE_DIRECTORY", "").split(":")[0]
+    if state:
+        base = Path(state)
+    else:
+        xdg = os.environ.get("XDG_STATE_HOME")
+        base = (Path(xdg) if xdg else Path.home() / ".local" / "state") / "vllm-redeploy"
+    return base / "webhook-spool" / "+".join(sorted(c.name for c in configs))
+
+
+def _one_setting(
+    configs: Sequence[ClusterConfig], what: str, value: Callable[[Any], Any], flag: bool = False
+) -> Any:
+    """A [webhook] setting of the one server every cluster shares: the same in each, or
+    ValueError saying so (and, for the ones the command line takes, ``flag``, how to choose)."""
+    values = {value(c.webhook) for c in configs}
     if len(values) > 1:
-        named = ", ".join(f"{c.name}: {value(c)}" for c in configs)
+        named = ", ".join(f"{c.name}: {value(c.webhook)}" for c in configs)
+        choose = f"pass --{what}, or set" if flag else "set"
         raise ValueError(
-            f"the clusters name different webhook.{what}s ({named}); one webhook binds one: pass "
-            f"--{what}, or set the same webhook.{what} in every cluster's configuration"
+            f"the clusters name different webhook.{what} ({named}); one webhook has one: "
+            f"{choose} the same webhook.{what} in every cluster's configuration"
         )
     return values.pop()
 
@@ -299,14 +666,19 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 
 @contextlib.contextmanager
 def running_webhook(
-    config: ClusterConfig, sender: Sender, host: str = "127.0.0.1", port: int = 0
+    clusters: ClusterConfig | Sequence[ClusterConfig],
+    sender: Sender,
+    host: str = "127.0.0.1",
+    port: int = 0,
 ) -> Iterator[str]:
     """Serve the webhook from a thread (tests, benches); yields its base URL, e.g.
-    ``http://127.0.0.1:40123``. ``port=0`` picks a free port."""
+    ``http://127.0.0.1:40123``. ``port=0`` picks a free port. Its connection limits are the
+    configuration's, fitted to this process's open-file limit (which it leaves as it is)."""
+    configs = [clusters] if isinstance(clusters, ClusterConfig) else list(clusters)
+    limits = fit_open_files(connection_limits(configs), raise_soft_limit=False)
+    app = create_app(configs, sender)
     server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(config, sender), host=host, port=port, log_level="warning", access_log=False
-        )
+        _uvicorn_config(app, limits, host=host, port=port, log_level="warning", access_log=False)
     )
     thread = threading.Thread(target=server.run, name="webhook", daemon=True)
     thread.start()

@@ -24,12 +24,12 @@ def test_webhook_under_load_answers_every_call_correctly() -> None:
     assert result.by_kind["replayed"] == {401: result.sent["replayed"]}
     assert result.by_kind["forged"] == {401: result.sent["forged"]}
     assert min(result.sent.values()) > 100  # each kind well represented
-    # The service emits one event per accepted call; the ids are those of the distinct boots
-    # (Prefect keeps one event per id), and nothing came from a replayed or forged call.
+    # The service emits one event per distinct boot, however often a boot is reported (a retry
+    # is answered 202 and queued once), and nothing from a replayed or forged call.
     ids = [e["id"] for e in result.events]
     # (The recording sender hands them over at the service's shutdown, on SIGTERM.)
-    assert len(ids) == result.sent["valid"], f"{len(ids)} events for {result.sent['valid']} calls"
     assert len(result.boots) == 8
+    assert len(ids) == len(result.boots), f"{len(ids)} events for {len(result.boots)} boots"
     assert set(ids) == result.expected_event_ids
     valid_boots = {boot for _, boot in result.boots}
     assert all(e["payload"]["boot_id"] in valid_boots for e in result.events)

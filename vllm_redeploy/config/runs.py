@@ -141,6 +141,28 @@ class WebhookConfig(Section):
         description="after-reboot: the run starts once every node reported its new boot, and "
         "at the latest this long after the first node did (preflight waits for the rest).",
     )
+    header_timeout_s: Seconds = Field(
+        5,
+        description="A connection that has not sent a request's headers this long after it "
+        "opened (or after the previous answer) is closed.",
+    )
+    body_timeout_s: Seconds = Field(
+        5, description="A request whose body has not arrived this long after its headers is cut."
+    )
+    max_connections: int = Field(
+        512,
+        ge=8,
+        le=65536,
+        description="Connections served at once (fewer when the open-file limit leaves less "
+        "room); a newcomer beyond it closes the oldest one still sending its request.",
+    )
+    spool_dir: ModelPath | None = Field(
+        None,
+        description="Where accepted notices wait, one file each, until Prefect has them (sent "
+        "again at start). Default: webhook-spool/CLUSTER under $STATE_DIRECTORY (systemd's "
+        "StateDirectory=), else under $XDG_STATE_HOME/vllm-redeploy or "
+        "~/.local/state/vllm-redeploy.",
+    )
 
 
 class SecretsConfig(Section):
