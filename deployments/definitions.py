@@ -6,6 +6,7 @@ the two in step.
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from prefect.events import DeploymentEventTrigger
 from prefect.events.schemas.events import ResourceSpecification
 from prefect.schedules import Cron
 
-from vllm_redeploy.config import ClusterConfig
+from vllm_redeploy.config import CONFIG_VARIABLE, ClusterConfig
 from vllm_redeploy.events import EVENT_CLUSTER_REBOOTED, EVENT_UNHEALTHY, RESOURCE_LABEL_CLUSTER
 from vllm_redeploy.names import deployment_name
 
@@ -57,7 +58,8 @@ def unhealthy_trigger(config: ClusterConfig) -> DeploymentEventTrigger:
 
 
 def deployment_specs(config: ClusterConfig, config_path: Path) -> list[dict[str, Any]]:
-    """Keyword arguments of ``flow.to_deployment`` for nightly, after-reboot, recover, manual."""
+    """Keyword arguments of ``flow.to_deployment`` for nightly, after-reboot, recover, manual.
+    ``config_path`` is shown in the UI's form; a run that names another file is refused."""
     params = {"config_path": str(config_path.resolve())}
     tags = ["vllm-redeploy", f"cluster:{config.name}"]
     return [
@@ -104,14 +106,19 @@ RUNNER_POLL_S = 2.0
 
 def serve_deployments(clusters: list[tuple[ClusterConfig, Path]]) -> None:
     """Serve each cluster's deployments from this process (no work pool); each run loads its
-    cluster's configuration from its own file. Schedules stay active when it stops: a
-    controller restart must not silently pause the nightly run."""
+    cluster's configuration from its own file, one of those this process serves: the runs
+    inherit them as VLLM_REDEPLOY_CONFIG, and the flow refuses a ``config_path`` that names any
+    other. Schedules stay active when it stops: a controller restart must not silently pause the
+    nightly run."""
     from prefect import serve
 
     from deployments.zombies import enable_heartbeats, ensure_zombie_automation
     from flows.redeploy import redeploy_vllm_cluster
     from tasks.standing.lock import ensure_cluster_lock
 
+    # What its runs may load (flows/redeploy.py): the files it was started with, as the
+    # deployments name them, whatever VLLM_REDEPLOY_CONFIG said before.
+    os.environ[CONFIG_VARIABLE] = os.pathsep.join(str(path.resolve()) for _, path in clusters)
     enable_heartbeats()
     ensure_zombie_automation()
     for config, _ in clusters:

@@ -2,16 +2,25 @@
 
 Below ``prefix`` (default /), as root:
 
-- the system user ``vllm-redeploy`` (``useradd --system``) when missing; the services run as it,
-  and its home /var/lib/vllm-redeploy is their state directory (systemd makes it:
-  ``StateDirectory=``), where its SSH key and known_hosts go;
+- the system users ``vllm-redeploy`` and ``vllm-redeploy-webhook`` (``useradd --system``) when
+  missing. The Prefect server, ``serve`` and the watcher run as the first; its home
+  /var/lib/vllm-redeploy is their state directory (systemd makes it: ``StateDirectory=``), where
+  the SSH key and known_hosts go. The webhook, the one service the network reaches, runs as the
+  second, with a state directory of its own (/var/lib/vllm-redeploy-webhook);
 - the unit files of ``deployments/systemd`` in /etc/systemd/system, their ExecStart= pointing at
   ``bin_dir`` (default: this installation's);
 - /etc/vllm-redeploy/prefect.env, the Prefect server's settings, with a new API auth string;
-- for a cluster: /etc/vllm-redeploy/<cluster>.toml (the given configuration, 0640) and
-  <cluster>.env, a template naming its secrets plus the auth string its clients send.
+- for a cluster: /etc/vllm-redeploy/<cluster>.toml (the given configuration) and <cluster>.env,
+  a template naming its secrets plus the auth string its clients send: what ``serve`` (and an
+  operator's ``vllm-redeploy run``) reads;
+- each narrower service's part of those two, derived from them on every run: the watcher's
+  <cluster>.watch.toml and .watch.env (everything but the ``[secrets]``: no HF token, no webhook
+  secret) and the webhook's <cluster>.webhook.toml and .webhook.env (the Prefect API settings and
+  the webhook secret only; no SSH key, passphrase or HF token). The loader reads the env file
+  beside a TOML, so each service, started with its own TOML, reads its own env file only.
 
-The .env files are 0600 and the user's; once there they are the operator's: only their mode
+Every file is root's, readable by its service's group only (0640), so no service can rewrite
+what it runs with. prefect.env and <cluster>.env are the operator's once there: only their mode
 and owner are repaired. Other files are rewritten when their content, mode or owner differ.
 Nothing is reloaded or enabled unless ``enable``: then `systemctl daemon-reload` (when a unit
 changed) and `systemctl enable` of the Prefect server and the cluster's units.
@@ -24,13 +33,19 @@ import re
 import secrets
 import subprocess
 import sys
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+
+from vllm_redeploy.config.toml_text import toml_document
 
 SERVICE_USER = "vllm-redeploy"
 STATE_DIR = "/var/lib/vllm-redeploy"
+# The webhook's own user and state directory (its spool of accepted notices goes there).
+WEBHOOK_USER = "vllm-redeploy-webhook"
+WEBHOOK_STATE_DIR = "/var/lib/vllm-redeploy-webhook"
 UNIT_DIR = "etc/systemd/system"
 CONF_DIR = "etc/vllm-redeploy"
 SOURCE_DIR = Path(__file__).resolve().parent / "systemd"
@@ -39,6 +54,14 @@ PREFECT_UNIT = "vllm-redeploy-prefect.service"
 CLUSTER_KINDS = ("serve", "webhook", "watch")
 AUTH_SERVER = "PREFECT_SERVER_API_AUTH_STRING"
 AUTH_CLIENT = "PREFECT_API_AUTH_STRING"
+WEBHOOK_SECRET_ENV = "VLLM_REDEPLOY_SECRETS__WEBHOOK_SECRET"  # noqa: S105 - a variable name
+SECRETS_PREFIX = "VLLM_REDEPLOY_SECRETS"  # the [secrets] table, key by key or as JSON
+# What the webhook's env file keeps of the cluster's: the Prefect client's API settings (URL,
+# auth string, TLS), its shared secret and its own settings.
+WEBHOOK_ENV_PREFIXES = ("PREFECT_API_", WEBHOOK_SECRET_ENV, "VLLM_REDEPLOY_WEBHOOK__")
+# The [secrets] each narrower service uses (an allow-list: a new secret reaches neither until
+# it is named here). The watcher's looks and generations send vLLM's API key.
+SERVICE_SECRETS = {"watch": ("vllm_api_key",), "webhook": ("webhook_secret",)}
 CLUSTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 COMMAND_TIMEOUT_S = 60
 
@@ -55,7 +78,8 @@ class Wanted:
     path: Path
     content: bytes
     mode: int
-    owner: Literal["root", "user", "group"]  # root:root, the user's, or root:the user's group
+    # root:root, or root and the group of the services' user or of the webhook's
+    owner: Literal["root", "group", "webhook"]
     operators: bool = False  # once there, only its mode and owner are ours
 
 
@@ -89,8 +113,8 @@ def prefect_env() -> str:
     return "\n".join(
         [
             "# The Prefect server of vllm-redeploy (vllm-redeploy-prefect.service). Written",
-            "# once by `vllm-redeploy install-controller`, yours from then on; mode 0600,",
-            "# owner vllm-redeploy. Clients send the same string as PREFECT_API_AUTH_STRING.",
+            "# once by `vllm-redeploy install-controller`, yours from then on; mode 0640,",
+            "# root:vllm-redeploy. Clients send the same string as PREFECT_API_AUTH_STRING.",
             f"{AUTH_SERVER}={SERVICE_USER}:{token}",
             "# PostgreSQL instead of SQLite (docs/operations.md):",
             "#PREFECT_SERVER_DATABASE_CONNECTION_URL="
@@ -107,9 +131,11 @@ def cluster_env(cluster: str, auth: str | None) -> str:
     auth_line = f"{AUTH_CLIENT}={auth}" if auth else f"#{AUTH_CLIENT}=user:password"
     return "\n".join(
         [
-            f"# Secrets of cluster {cluster}'s services (vllm-redeploy-serve@{cluster},",
-            f"# -webhook@{cluster}, -watch@{cluster}). Written once by `vllm-redeploy",
-            "# install-controller`, yours from then on; mode 0600, owner vllm-redeploy.",
+            f"# Secrets of cluster {cluster} (vllm-redeploy-serve@{cluster} reads them all).",
+            "# Written once by `vllm-redeploy install-controller`, yours from then on; mode 0640,",
+            "# root:vllm-redeploy. After an edit run install-controller again: it gives the",
+            f"# watcher ({cluster}.watch.env: all but the [secrets]) and the webhook",
+            f"# ({cluster}.webhook.env: PREFECT_API_* and the webhook secret) their part.",
             "# The Prefect API (default: this machine's) and its auth string:",
             "#PREFECT_API_URL=http://127.0.0.1:4200/api",
             auth_line,
@@ -117,20 +143,81 @@ def cluster_env(cluster: str, auth: str | None) -> str:
             "# the webhook's: python3 -c 'import secrets; print(secrets.token_hex(32))'",
             "#VLLM_REDEPLOY_SECRETS__WEBHOOK_SECRET=",
             "#VLLM_REDEPLOY_SSH__KEY_PASSPHRASE=...",
+            "#VLLM_REDEPLOY_SECRETS__VLLM_API_KEY=...",
             "",
         ]
     )
 
 
-def _ids(root: Path) -> tuple[int, int] | None:
-    """The service user's uid and gid in ``root``'s /etc/passwd, or None."""
+def derived_env(text: str, service: Literal["watch", "webhook"]) -> str:
+    """The lines of the cluster's env file ``text`` that ``service`` gets, as they are written
+    there: the watcher all but the ``[secrets]`` it does not use (the HF token, the webhook
+    secret), the webhook only the Prefect API settings, its secret and its settings."""
+    own = tuple(f"{SECRETS_PREFIX}__{name}".upper() for name in SERVICE_SECRETS["watch"])
+    kept = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        key = line.partition("=")[0].strip().removeprefix("export ").strip().upper()
+        if not line or line.startswith("#") or "=" not in line:
+            continue
+        wanted = (
+            key.startswith(WEBHOOK_ENV_PREFIXES)
+            if service == "webhook"
+            else not key.startswith(SECRETS_PREFIX) or key in own
+        )
+        if wanted:
+            kept.append(line)
+    head = [
+        f"# The {service} service's part of this cluster's env file, written by `vllm-redeploy",
+        "# install-controller` on every run: edit the cluster's .env, then run it again.",
+    ]
+    return "\n".join([*head, *kept, ""])
+
+
+def derived_toml(data: dict[str, Any], service: Literal["watch", "webhook"]) -> str:
+    """The cluster's configuration as ``service`` reads it: of the ``[secrets]`` only those it
+    uses (SERVICE_SECRETS). The webhook's names neither the SSH keys, their passphrase nor the
+    containers' environment: what it cannot read it must not name (the loader checks that a key
+    file it names exists)."""
+    secrets_table = _table(data, "secrets") or {}
+    data = {k: v for k, v in data.items() if k != "secrets"}
+    kept = {k: v for k, v in secrets_table.items() if k in SERVICE_SECRETS[service]}
+    if kept:
+        data["secrets"] = kept
+    if service == "webhook":
+        ssh = _table(data, "ssh")
+        if ssh is not None:
+            data["ssh"] = {k: v for k, v in ssh.items() if k not in ("key_file", "key_passphrase")}
+        if isinstance(data.get("nodes"), list):
+            data["nodes"] = [
+                {k: v for k, v in n.items() if k != "ssh_key_file"} if isinstance(n, dict) else n
+                for n in data["nodes"]
+            ]
+        vllm = _table(data, "vllm")
+        if vllm is not None:
+            data["vllm"] = {k: v for k, v in vllm.items() if k != "env"}
+    head = [
+        f"# The {service} service's view of this cluster's configuration, written by",
+        "# `vllm-redeploy install-controller` on every run from the cluster's .toml: edit that",
+        "# (or the file given with -c), then run it again.",
+    ]
+    return "\n".join([*head, *toml_document(data), ""])
+
+
+def _table(data: dict[str, Any], key: str) -> dict[str, Any] | None:
+    value = data.get(key)
+    return value if isinstance(value, dict) else None
+
+
+def _ids(root: Path, user: str = SERVICE_USER) -> tuple[int, int] | None:
+    """``user``'s uid and gid in ``root``'s /etc/passwd, or None."""
     try:
         lines = (root / "etc/passwd").read_text().splitlines()
     except FileNotFoundError:
         return None
     for line in lines:
         fields = line.split(":")
-        if len(fields) >= 4 and fields[0] == SERVICE_USER:
+        if len(fields) >= 4 and fields[0] == user:
             return int(fields[2]), int(fields[3])
     return None
 
@@ -178,27 +265,39 @@ def install_controller(
     root = Path(prefix)
     bin_dir = bin_dir or default_bin_dir()
     lines = _warnings(root, bin_dir)
-    lines += _ensure_user(root, prefix, run)
-    ids = _ids(root)
-    if ids is None:
-        raise InstallError(f"user {SERVICE_USER} is not in {root / 'etc/passwd'} after useradd")
+    lines += _ensure_user(root, prefix, run, SERVICE_USER, STATE_DIR, "vllm-redeploy services")
+    lines += _ensure_user(
+        root, prefix, run, WEBHOOK_USER, WEBHOOK_STATE_DIR, "vllm-redeploy reboot webhook"
+    )
+    groups = {}
+    for user in (SERVICE_USER, WEBHOOK_USER):
+        ids = _ids(root, user)
+        if ids is None:
+            raise InstallError(f"user {user} is not in {root / 'etc/passwd'} after useradd")
+        groups[user] = ids[1]
     wanted = [
         Wanted(name, root / UNIT_DIR / name, text.encode(), 0o644, "root")
         for name, text in unit_files(bin_dir).items()
     ]
     conf = root / CONF_DIR
     wanted.append(
-        Wanted("prefect.env", conf / "prefect.env", prefect_env().encode(), 0o600, "user", True)
+        Wanted("prefect.env", conf / "prefect.env", prefect_env().encode(), 0o640, "group", True)
     )
-    changed = _apply(wanted, ids, lines)
+    changed = _apply(wanted, groups, lines)
     if cluster is not None:
         auth = read_env(conf / "prefect.env").get(AUTH_SERVER)
         mine = [Wanted(f"{cluster}.env", conf / f"{cluster}.env",
-                       cluster_env(cluster, auth).encode(), 0o600, "user", True)]  # fmt: skip
+                       cluster_env(cluster, auth).encode(), 0o640, "group", True)]  # fmt: skip
         if config_file is not None:
             toml = config_file.read_bytes()
             mine.append(Wanted(f"{cluster}.toml", conf / f"{cluster}.toml", toml, 0o640, "group"))
-        _apply(mine, ids, lines)
+        _apply(mine, groups, lines)
+        _apply(_derived(conf, cluster, lines), groups, lines)
+        if not read_env(conf / f"{cluster}.env").get(WEBHOOK_SECRET_ENV):
+            lines.append(
+                f"note: {cluster}.env sets no {WEBHOOK_SECRET_ENV}: the webhook refuses to start "
+                "until it does (set it there, then run install-controller again)"
+            )
     units = [PREFECT_UNIT, *(cluster_units(cluster) if cluster else [])]
     if not enable:
         lines.append(
@@ -223,22 +322,51 @@ def _warnings(root: Path, bin_dir: str) -> list[str]:
     return lines
 
 
-def _ensure_user(root: Path, prefix: str, run: Run) -> list[str]:
-    if _ids(root) is not None:
-        return [f"user {SERVICE_USER}: unchanged"]
-    argv = ["useradd", "--system", "--user-group", "--home-dir", STATE_DIR, "--no-create-home",
-            "--shell", "/usr/sbin/nologin", "--comment", "vllm-redeploy services"]  # fmt: skip
+def _ensure_user(
+    root: Path, prefix: str, run: Run, user: str, home: str, comment: str
+) -> list[str]:
+    if _ids(root, user) is not None:
+        return [f"user {user}: unchanged"]
+    argv = ["useradd", "--system", "--user-group", "--home-dir", home, "--no-create-home",
+            "--shell", "/usr/sbin/nologin", "--comment", comment]  # fmt: skip
     if prefix != "/":
         argv += ["--prefix", prefix]
-    run([*argv, SERVICE_USER])
-    return [f"user {SERVICE_USER}: created (system user, home {STATE_DIR})"]
+    run([*argv, user])
+    return [f"user {user}: created (system user, home {home})"]
 
 
-def _apply(wanted: list[Wanted], ids: tuple[int, int], lines: list[str]) -> list[Wanted]:
-    """Write what differs; returns what was written or repaired."""
+def _derived(conf: Path, cluster: str, lines: list[str]) -> list[Wanted]:
+    """The watcher's and the webhook's files, from the cluster's .toml (when there) and .env."""
+    wanted = []
+    toml = conf / f"{cluster}.toml"
+    if toml.exists():
+        try:
+            data = tomllib.loads(toml.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise InstallError(f"{toml}: not valid TOML ({exc}); fix it or give --config") from None
+        for service, owner in (("watch", "group"), ("webhook", "webhook")):
+            text = derived_toml(data, service)  # type: ignore[arg-type]
+            name = f"{cluster}.{service}.toml"
+            wanted.append(Wanted(name, conf / name, text.encode(), 0o640, owner))  # type: ignore[arg-type]
+    else:
+        lines.append(
+            f"{cluster}.watch.toml, {cluster}.webhook.toml: not written (no {cluster}.toml: "
+            "give --config)"
+        )
+    env = (conf / f"{cluster}.env").read_text(encoding="utf-8", errors="replace")
+    for service, owner in (("watch", "group"), ("webhook", "webhook")):
+        name = f"{cluster}.{service}.env"
+        text = derived_env(env, service)  # type: ignore[arg-type]
+        wanted.append(Wanted(name, conf / name, text.encode(), 0o640, owner))  # type: ignore[arg-type]
+    return wanted
+
+
+def _apply(wanted: list[Wanted], groups: dict[str, int], lines: list[str]) -> list[Wanted]:
+    """Write what differs; returns what was written or repaired. ``groups``: each user's gid."""
     changed = []
+    gids = {"root": 0, "group": groups[SERVICE_USER], "webhook": groups[WEBHOOK_USER]}
     for file in wanted:
-        uid, gid = {"root": (0, 0), "user": ids, "group": (0, ids[1])}[file.owner]
+        uid, gid = 0, gids[file.owner]
         how = _difference(file, uid, gid)
         if how is None:
             lines.append(f"{file.label}: unchanged")
@@ -303,3 +431,20 @@ def _is_enabled(systemctl: list[str], unit: str, run: Run) -> str:
         return run([*systemctl, "is-enabled", unit]).strip()
     except InstallError:
         return "disabled"  # is-enabled exits 1 for disabled units
+
+
+def write_webhook_config(source: Path, target: Path) -> None:
+    """The webhook's view of the configuration ``source`` (derived_toml) into ``target``: for a
+    webhook that runs where the SSH keys are not, as compose.yaml's does."""
+    data = tomllib.loads(source.read_text(encoding="utf-8"))
+    target.write_text(derived_toml(data, "webhook"), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    # python -m deployments.install_controller --webhook-config SOURCE TARGET (compose.yaml)
+    if len(sys.argv) != 4 or sys.argv[1] != "--webhook-config":
+        sys.exit("usage: python -m deployments.install_controller --webhook-config SOURCE TARGET")
+    try:
+        write_webhook_config(Path(sys.argv[2]), Path(sys.argv[3]))
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        sys.exit(f"{sys.argv[2]}: {exc}")

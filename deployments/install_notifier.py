@@ -1,9 +1,11 @@
 """Install the reboot notifier on a node over its SSH runner: idempotent, and says what changed.
 
 Four files go to the node: the script, its systemd unit, its settings (notifier.env) and the
-shared secret (notifier.secret, 0600). Contents travel on stdin, never on the command line, so the
-secret shows in no process list or log. A file is written only when its sha256 or mode differs
-from what is there; the unit is reloaded only when it changed, then enabled.
+shared secret (notifier.secret, 0600, root's: the unit runs the script as a user of its own,
+DynamicUser=, and systemd hands it the secret with LoadCredential=). Contents travel on
+stdin, never on the command line, so the secret shows in no process list or log. A file is
+written only when its sha256 or mode differs from what is there; the unit is reloaded only when
+it changed, then enabled.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ recovery waits its backoff. Then, for the whole run, hold the cluster, so no oth
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -34,6 +35,7 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.events import emit_event
 from prefect.futures import wait
+from prefect.runtime import deployment
 from prefect.states import Completed, State
 
 from tasks.cache_dir import own_cache_dir
@@ -56,7 +58,7 @@ from tasks.sync import sync_node
 from tasks.teardown import teardown_group
 from tasks.transport import half_bandwidth, prove_transport
 from tasks.wait_ready import wait_until_ready
-from vllm_redeploy.config import ConfigError, load_config
+from vllm_redeploy.config import CONFIG_VARIABLE, ConfigError, load_config
 from vllm_redeploy.endpoint import api_base
 from vllm_redeploy.events import failed_event, ready_event
 from vllm_redeploy.launch.caches import cache_owner, compile_cache_words
@@ -119,9 +121,31 @@ def per_node(task: Any, run: Run, names: list[str], *args: Any) -> list[Any]:
     return [f.result() for f in futures]
 
 
+def _config_file(config_path: str | None) -> str | None:
+    """The file this run reads: ``config_path`` (or the one VLLM_REDEPLOY_CONFIG names); for a
+    run of a deployment only one of the files its serve or worker was started with, else
+    StepFailed at config before anything else: from the UI, config_path is a free field."""
+    served = [p for p in os.environ.get(CONFIG_VARIABLE, "").split(os.pathsep) if p]
+    named = config_path or (served[0] if len(served) == 1 else None)
+    if deployment.get_id() is None:
+        return named
+    same = [p for p in served if named and os.path.realpath(p) == os.path.realpath(named)]
+    if same:
+        return same[0]
+    started = ", ".join(map(shown, served)) or f"none: {CONFIG_VARIABLE} is not set"
+    reason = (
+        f"deployment {shown(deployment.name)} refuses config_path {shown(named)}: its runs use "
+        f"only the configuration their serve or worker was started with ({started}). Run "
+        "another file with `vllm-redeploy run --config FILE`, or serve it; a worker names its "
+        f"files in {CONFIG_VARIABLE}"
+    )
+    log().error("failed at config: %s", reason)
+    raise StepFailed("config", reason)
+
+
 @flow(name="redeploy-vllm-cluster", log_prints=True)
 def redeploy_vllm_cluster(
-    config_path: str = "cluster.toml",
+    config_path: str | None = None,
     mode: Mode = "redeploy",
     keep_on_failure: bool = False,
     trigger: Trigger = "manual",
@@ -132,10 +156,15 @@ def redeploy_vllm_cluster(
     ``trigger``: what started the run (manual, nightly, after-reboot, recover); nothing automatic
     touches a paused or crash-looping cluster, and a manual run only with ``override_pause``.
     Secrets come from the environment or .env of the process that runs the flow, never from
-    parameters.
+    parameters. A run of a deployment uses only a configuration its process was started with
+    (``serve --config``, a worker's VLLM_REDEPLOY_CONFIG): a ``config_path`` that names another
+    file fails at step config, before anything else, since the run would read that file's nodes
+    with this process's secrets. Called directly (``vllm-redeploy run --config``), ``config_path``
+    is the file to run (default: VLLM_REDEPLOY_CONFIG when it names one, else cluster.toml).
     """
+    named = _config_file(config_path)
     try:
-        config = load_config(config_path)
+        config = load_config(named)
     except ConfigError as exc:
         reason = f"{shown(exc.source)} cannot be used: {'; '.join(exc.problems)}"
         log().error("failed at config: %s", reason)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -274,3 +276,113 @@ def test_calls_for_another_cluster_start_nothing(
     time.sleep(8)
     assert len(runs_of(prefect_api, deployment["id"])) == before
     assert config.name != "other"
+
+
+# --- a deployment's run uses the configuration `serve` was started with (issue 34) ----------
+
+
+class Knocks:
+    """A node's SSH port that counts who connects: a run that reaches for the node knocks."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.count = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.count += 1
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def cluster_file(path: Path, name: str, port: int) -> Path:
+    """A one-node cluster whose node is a Knocks port (no sshd there: a run fails at preflight)."""
+    known_hosts = path.parent / "known_hosts"
+    known_hosts.touch()
+    path.write_text(
+        f'name = "{name}"\n'
+        '[[nodes]]\nname = "node-1"\naddress = "127.0.0.1"\n'
+        f'ssh_port = {port}\nssh_user = "nobody"\n'
+        f'[ssh]\nknown_hosts = "{known_hosts}"\nconnect_timeout_s = 2\n'
+        '[vllm]\nimage = "vllm/vllm-openai:v0.19.0"\nmodel = "/models/m"\n'
+        "[deadlines]\nnodes_reachable_s = 2\n"
+    )
+    return path
+
+
+def final_run(url: str, run_id: str, timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        run = api(url, "GET", f"/flow_runs/{run_id}")
+        if run["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            return run
+        assert time.monotonic() < deadline, (run["name"], run["state_type"])
+        time.sleep(1)
+
+
+def test_a_deployment_run_naming_another_toml_is_refused_before_any_node_is_touched(
+    prefect_api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A click in the UI that points the manual deployment at another TOML (with its own nodes
+    and secrets) fails at step config, touching no node; the file serve was started with, however
+    it is spelled, is run. Called directly (`vllm-redeploy run --config`), any file is run."""
+    ours, theirs = Knocks(), Knocks()
+    served = cluster_file(tmp_path / "served.toml", f"cfg{uuid.uuid4().hex[:6]}", ours.port)
+    other = cluster_file(tmp_path / "other.toml", f"oth{uuid.uuid4().hex[:6]}", theirs.port)
+    (tmp_path / "other.env").write_text("VLLM_REDEPLOY_SECRETS__HF_TOKEN=hf_" + "o" * 30 + "\n")
+    name = load_config(served, env_file=None).name
+    env = {"PREFECT_API_URL": prefect_api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    log = tmp_path / "serve.log"
+    proc = spawn([str(BIN / "vllm-redeploy"), "serve", "--config", str(served)], log, env)
+    try:
+        deadline = time.monotonic() + 60
+        while f"{name}-manual" not in deployments_by_name(prefect_api):
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.5)
+        manual = deployments_by_name(prefect_api)[f"{name}-manual"]
+        assert manual["parameters"]["config_path"] == str(served.resolve())
+
+        def start(config_path: Path) -> str:
+            body = {"parameters": {"config_path": str(config_path), "mode": "ensure"}}
+            return api(prefect_api, "POST", f"/deployments/{manual['id']}/create_flow_run", body)[
+                "id"
+            ]
+
+        refused = final_run(prefect_api, start(other), 120)
+        message = refused["state"]["message"]
+        assert refused["state_type"] == "FAILED", message
+        assert "config: deployment" in message and f"refuses config_path {other}" in message
+        assert f"started with ({served.resolve()})" in message
+        tasks = api(
+            prefect_api,
+            "POST",
+            "/task_runs/filter",
+            {"task_runs": {"flow_run_id": {"any_": [refused["id"]]}}},
+        )
+        assert tasks == []  # not even the guard ran
+        assert (ours.count, theirs.count) == (0, 0)
+
+        link = tmp_path / "link.toml"  # the same file by another name: the deployment's own
+        link.symlink_to(served)
+        same = final_run(prefect_api, start(link), 180)
+        assert "StepFailed: preflight: node node-1" in same["state"]["message"]  # past config
+        assert ours.count > 0 and theirs.count == 0  # it went on to the node
+    finally:
+        stop(proc, grace=10)
+        ours.close()
+    # The CLI's way, the flow called directly: the file it names, whatever the process serves.
+    from flows.redeploy import redeploy_vllm_cluster
+
+    monkeypatch.setenv("VLLM_REDEPLOY_CONFIG", str(served))
+    state = redeploy_vllm_cluster(str(other), "ensure", return_state=True)
+    theirs.close()
+    assert state.is_failed() and "StepFailed: preflight: node node-1" in str(state.message)
+    assert theirs.count > 0

@@ -6,11 +6,14 @@ Prefect server; and its retry rules against a webhook that is down, or that refu
 from __future__ import annotations
 
 import contextlib
+import hmac
+import http.server
 import os
 import secrets
 import select
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -30,12 +33,13 @@ from deployments.install_notifier import (
     install_notifier,
     reload_risk,
 )
-from deployments.webhook import SECRET_ENV, running_webhook
+from deployments.webhook import SECRET_ENV, running_webhook, sign
 from tests.test_webhook import make_config, wait_for_event
 from tests.testbed import users
 from tests.testbed.bed import TestBed
 from tests.testbed.node import EmulatedNode
 from tests.testbed.procs import free_port, wait_until
+from tests.testbed.standins.units import parse_ini
 from vllm_redeploy.config import ClusterConfig, load_config
 from vllm_redeploy.nodes import NodeAccess, SSHRunner, runner_for
 from vllm_redeploy.nodes.runner import OutputCapture
@@ -354,3 +358,81 @@ def test_the_bed_reports_its_real_cgroup_driver(bed: TestBed) -> None:
         assert reload_risk(access.docker) is None or "cgroup driver" in str(
             reload_risk(access.docker)
         )
+
+
+# --- the notifier needs no root (issue 34) ----------------------------------------------------
+
+
+def test_the_notifier_unit_runs_as_no_root_in_a_sandbox_with_its_secret_as_a_credential(
+    tmp_path: Path,
+) -> None:
+    text = (SCRIPT.parent / UNIT_NAME).read_text()
+    service = parse_ini(text)["Service"]
+    # A user of its own, made by systemd for the run; never root.
+    assert service.get("DynamicUser") == ["yes"] and service.get("User", []) in ([], ["nobody"])
+    # systemd reads the root-only secret file for it (0600, what install-notifier writes).
+    assert service["LoadCredential"] == [f"notifier.secret:/{SECRET_PATH}"]
+    for key, value in {
+        "NoNewPrivileges": "yes",
+        "ProtectSystem": "strict",
+        "ProtectHome": "yes",
+        "PrivateTmp": "yes",
+        "PrivateDevices": "yes",
+        "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6",
+        "CapabilityBoundingSet": None,
+    }.items():
+        assert service.get(key, [None]) == ([value] if value else []), key
+    unit = tmp_path / UNIT_NAME
+    unit.write_text(text)
+    verified = subprocess.run(
+        ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60
+    )
+    assert (verified.returncode, verified.stderr) == (0, ""), verified.stderr
+    scored = subprocess.run(
+        ["systemd-analyze", "security", "--offline=true", "--threshold=20", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert scored.returncode == 0, scored.stdout[-400:]  # exposure 2.0 of 10 at most
+
+
+class _Webhook(http.server.BaseHTTPRequestHandler):
+    """A webhook that accepts a call signed with SECRET only."""
+
+    secret = ""
+
+    def do_POST(self) -> None:  # http.server's name for the handler
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        stamp = self.headers["X-Vllm-Redeploy-Timestamp"]
+        good = hmac.compare_digest(
+            self.headers["X-Vllm-Redeploy-Signature"], sign(self.secret, stamp, body)
+        )
+        self.send_response(202 if good else 401)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_the_notifier_signs_with_the_credential_systemd_hands_it(tmp_path: Path) -> None:
+    """Under its unit the notifier cannot read notifier.secret (root's, 0600): it takes the
+    copy in $CREDENTIALS_DIRECTORY that LoadCredential= makes."""
+    secret = secrets.token_hex(32)
+    _Webhook.secret = secret
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Webhook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        argv, env, _ = _notifier(tmp_path, "not-the-secret-" * 4, url, max_wait_s=1)
+        (tmp_path / "notifier.secret").unlink()  # what its user cannot open
+        credentials = tmp_path / "credentials"
+        credentials.mkdir()
+        (credentials / "notifier.secret").write_text(secret + "\n")
+        (credentials / "notifier.secret").chmod(0o400)
+        env["CREDENTIALS_DIRECTORY"] = str(credentials)
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+    finally:
+        server.shutdown()
+    assert done.returncode == 0, done.stderr
+    assert "202 accepted" in done.stderr and secret not in done.stderr

@@ -112,8 +112,13 @@ class Platform:
     def start_worker(self, name: str, limit: int) -> subprocess.Popen[bytes]:
         """`prefect worker start` on the pool, heartbeats on; returns once the server lists it."""
         argv = [str(BIN / "prefect"), "worker", "start", "--pool", POOL, "--name", name]
+        # The configurations its runs may use: each cluster's, and the variants the tests write.
+        served = [c.config for c in self.clusters.values()]
+        served += [self.root / f"scale-a-{variant}.toml" for variant in ("held", "slow")]
         env = self.env(
-            PREFECT_FLOWS_HEARTBEAT_FREQUENCY=HEARTBEAT_S, PREFECT_WORKER_QUERY_SECONDS=QUERY_S
+            PREFECT_FLOWS_HEARTBEAT_FREQUENCY=HEARTBEAT_S,
+            PREFECT_WORKER_QUERY_SECONDS=QUERY_S,
+            VLLM_REDEPLOY_CONFIG=os.pathsep.join(map(str, served)),
         )
         log = self.worker_log(name)
         self.workers[name] = spawn([*argv, "--limit", str(limit)], log, env)

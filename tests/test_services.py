@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
+import tomllib
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -32,7 +35,9 @@ from deployments.install_controller import (
     PREFECT_UNIT,
     SERVICE_USER,
     SOURCE_DIR,
+    WEBHOOK_USER,
     cluster_units,
+    install_controller,
     read_env,
     unit_files,
 )
@@ -42,7 +47,8 @@ from tests.testbed.bed import TestBed
 from tests.testbed.node import EmulatedNode
 from tests.testbed.procs import descendants, free_port, wait_until
 from tests.testbed.standins.units import parse_ini
-from vllm_redeploy.config import load_config
+from vllm_redeploy.config import ConfigError, load_config
+from vllm_redeploy.config.loading import cluster_env_file
 from vllm_redeploy.nodes import Runner, runner_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,16 +85,19 @@ def test_the_units_pass_systemd_analyze_and_keep_their_sandbox(tmp_path: Path) -
         (tmp_path / name).write_text(text)
         rendered.append(tmp_path / name)
         service = parse_ini(text)["Service"]
-        assert service["User"] == [SERVICE_USER] and service["Restart"] == ["on-failure"]
+        # The webhook, which the network reaches, has a user and a state directory of its own.
+        user = WEBHOOK_USER if name.startswith("vllm-redeploy-webhook@") else SERVICE_USER
+        assert service["User"] == [user] and service["Restart"] == ["on-failure"]
         assert service["ExecStart"][0].startswith(f"{BIN}/")
         assert any(f.startswith("/etc/vllm-redeploy/") for f in service["EnvironmentFile"])
-        assert "PREFECT_HOME=/var/lib/vllm-redeploy/prefect" in service["Environment"]
+        assert f"PREFECT_HOME=/var/lib/{user}/prefect" in service["Environment"]
         for key, value in {
             "NoNewPrivileges": "yes",
             "ProtectSystem": "strict",
             "ProtectHome": "yes",
             "PrivateTmp": "yes",
-            "StateDirectory": "vllm-redeploy",
+            "StateDirectory": user,
+            "StateDirectoryMode": "0700",
             "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6",
             "CapabilityBoundingSet": None,  # empty: no capabilities at all
         }.items():
@@ -132,57 +141,91 @@ def test_install_controller_twice_changes_nothing(tmp_path: Path) -> None:
     absent = [
         f"warning: no {p} in {BIN} (the units' ExecStart=)" for p in ("vllm-redeploy", "prefect")
     ]
+    derived = [
+        f"{cluster}.{kind}" for kind in ("watch.toml", "webhook.toml", "watch.env", "webhook.env")
+    ]
+    no_secret = (
+        f"note: {cluster}.env sets no VLLM_REDEPLOY_SECRETS__WEBHOOK_SECRET: the webhook refuses "
+        "to start until it does (set it there, then run install-controller again)"
+    )
     assert first == [
         *absent,  # in the image root: it has no venv
         f"user {SERVICE_USER}: created (system user, home /var/lib/vllm-redeploy)",
+        f"user {WEBHOOK_USER}: created (system user, home /var/lib/vllm-redeploy-webhook)",
         *(f"{unit}: written (new)" for unit in UNITS),
         "prefect.env: written (new)",
         f"{cluster}.env: written (new)",
         f"{cluster}.toml: written (new)",
+        *(f"{name}: written (new)" for name in derived),
+        no_secret,
         *(f"{unit}: enabled" for unit in units),
     ]
     second = _cli(*args)
     assert second == [
         *absent,
         f"user {SERVICE_USER}: unchanged",
+        f"user {WEBHOOK_USER}: unchanged",
         *(f"{unit}: unchanged" for unit in UNITS),
         "prefect.env: unchanged",
         f"{cluster}.env: unchanged",
         f"{cluster}.toml: unchanged",
+        *(f"{name}: unchanged" for name in derived),
+        no_secret,
         *(f"{unit}: already enabled" for unit in units),
     ]
 
     passwd = (root / "etc/passwd").read_text()
-    entry = next(line for line in passwd.splitlines() if line.startswith(f"{SERVICE_USER}:"))
-    uid, gid = map(int, entry.split(":")[2:4])
-    assert entry.endswith(":/var/lib/vllm-redeploy:/usr/sbin/nologin") and uid < 1000
+    ids = {}
+    for user, home in ((SERVICE_USER, "vllm-redeploy"), (WEBHOOK_USER, "vllm-redeploy-webhook")):
+        entry = next(line for line in passwd.splitlines() if line.startswith(f"{user}:"))
+        uid, gid = map(int, entry.split(":")[2:4])
+        assert entry.endswith(f":/var/lib/{home}:/usr/sbin/nologin") and uid < 1000
+        ids[user] = (uid, gid)
+    gid, webhook_gid = ids[SERVICE_USER][1], ids[WEBHOOK_USER][1]
+    assert gid != webhook_gid
     conf = root / "etc/vllm-redeploy"
     owners = {
         p.name: (p.stat().st_mode & 0o777, p.stat().st_uid, p.stat().st_gid) for p in conf.iterdir()
     }
+    # Every file root's, readable by its service's group only: no service rewrites its own.
     assert owners == {
-        "prefect.env": (0o600, uid, gid),
-        f"{cluster}.env": (0o600, uid, gid),
+        "prefect.env": (0o640, 0, gid),
+        f"{cluster}.env": (0o640, 0, gid),
         f"{cluster}.toml": (0o640, 0, gid),
+        f"{cluster}.watch.toml": (0o640, 0, gid),
+        f"{cluster}.watch.env": (0o640, 0, gid),
+        f"{cluster}.webhook.toml": (0o640, 0, webhook_gid),
+        f"{cluster}.webhook.env": (0o640, 0, webhook_gid),
     }
     server_auth = read_env(conf / "prefect.env")[AUTH_SERVER]
     assert len(server_auth) > 40 and read_env(conf / f"{cluster}.env")[AUTH_CLIENT] == server_auth
+    for service in ("watch", "webhook"):  # each service talks to the API with the same string
+        assert read_env(conf / f"{cluster}.{service}.env")[AUTH_CLIENT] == server_auth
     assert (conf / f"{cluster}.toml").read_bytes() == EXAMPLE.read_bytes()
     # The real systemctl (offline, --root) enabled them from their [Install] sections.
     wants = root / "etc/systemd/system/multi-user.target.wants"
     assert sorted(p.name for p in wants.iterdir()) == sorted(units)
     _verify([root / "etc/systemd/system" / unit for unit in UNITS])
 
-    # The env files are the operator's once there: edits stay, only mode and owner are repaired.
+    # The env files are the operator's once there: edits stay, only mode and owner are repaired;
+    # what each narrower service gets of them follows: the webhook its secret, nobody the token.
     edited = conf / f"{cluster}.env"
-    edited.write_text(edited.read_text() + "VLLM_REDEPLOY_SECRETS__HF_TOKEN=hf_edit\n")
+    secret = "w" * 40
+    added = f"VLLM_REDEPLOY_SECRETS__HF_TOKEN=hf_edit\n{SECRET_ENV}={secret}\n"
+    edited.write_text(edited.read_text() + added)
     edited.chmod(0o644)
+    os.chown(edited, ids[SERVICE_USER][0], gid)
     third = _cli(*args)
-    assert f"{cluster}.env: mode 644 -> 600" in third
-    assert edited.stat().st_mode & 0o777 == 0o600 and "hf_edit" in edited.read_text()
-    assert [line for line in third[2:] if not line.endswith(("unchanged", "enabled"))] == [
-        f"{cluster}.env: mode 644 -> 600"
+    assert edited.stat().st_mode & 0o777 == 0o640 and "hf_edit" in edited.read_text()
+    assert (edited.stat().st_uid, edited.stat().st_gid) == (0, gid)
+    assert [line for line in third[3:] if not line.endswith(("unchanged", "enabled"))] == [
+        f"{cluster}.env: mode 644 -> 640",
+        f"{cluster}.webhook.env: written (changed)",
     ]
+    assert (
+        read_env(conf / f"{cluster}.webhook.env")["VLLM_REDEPLOY_SECRETS__WEBHOOK_SECRET"] == secret
+    )
+    assert "hf_edit" not in (conf / f"{cluster}.watch.env").read_text()
 
 
 def test_install_controller_refuses_a_cluster_the_configuration_does_not_name(
@@ -205,6 +248,164 @@ def test_install_controller_as_another_user_says_to_run_it_as_root(tmp_path: Pat
     assert "run it as root (sudo)" in done.stderr and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "root").exists()
+
+
+# --- each secret only where it is used (issue 34) --------------------------------------------
+
+HF_TOKEN = "hf_" + "t" * 34  # test values
+PASSPHRASE = "key-passphrase-" + "p" * 20
+WEBHOOK_SECRET = "w" * 48
+API_KEY = "vllm-api-key-" + "k" * 24
+SECRETS_ADDED = (
+    f"VLLM_REDEPLOY_SECRETS__HF_TOKEN={HF_TOKEN}\n"
+    f"VLLM_REDEPLOY_SSH__KEY_PASSPHRASE={PASSPHRASE}\n"
+    f"{SECRET_ENV}={WEBHOOK_SECRET}\n"
+    f"VLLM_REDEPLOY_SECRETS__VLLM_API_KEY={API_KEY}\n"
+)
+KEY_FILE = "/var/lib/vllm-redeploy/.ssh/id_ed25519"  # where docs/operations.md puts it
+TOML_TOKEN = "hf_in_the_toml_" + "x" * 20  # put in the file after all
+
+
+@dataclass
+class Installed:
+    root: Path
+    cluster: str
+    ids: dict[str, tuple[int, int]]
+
+    @property
+    def conf(self) -> Path:
+        return self.root / "etc/vllm-redeploy"
+
+    def service(self, kind: str) -> dict[str, list[str]]:
+        """The [Service] section of the installed unit, %i resolved to the cluster."""
+        text = (self.root / f"etc/systemd/system/vllm-redeploy-{kind}@.service").read_text()
+        return parse_ini(text.replace("%i", self.cluster))["Service"]
+
+    def host_path(self, path: str) -> Path:
+        return self.root / path.lstrip("-/")
+
+    def readable_by(self, user: str, path: Path) -> bool:
+        """Whether ``user`` (its uid and group only) can read ``path``: a real open(2)."""
+        uid, gid = self.ids[user]
+        argv = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "cat", str(path)]
+        return subprocess.run(argv, capture_output=True, timeout=10).returncode == 0
+
+
+@pytest.fixture
+def installed() -> Iterator[Installed]:
+    """install-controller into an image root, a configuration whose key file is the service
+    user's and that carries an HF token in [secrets]; then the operator puts every secret in the
+    cluster's .env and runs it again, as docs/operations.md says."""
+    _need("useradd", "passwd")
+    root = Path(tempfile.mkdtemp(prefix="vrd-least-", dir="/tmp"))
+    try:
+        root.chmod(0o755)  # other users reach what the modes let them (setpriv below)
+        (root / "etc").mkdir()
+        for name in ("passwd", "group"):
+            shutil.copy(f"/etc/{name}", root / "etc" / name)
+        source = root / "source.toml"
+        text = EXAMPLE.read_text().replace(
+            '# key_file = "~/.ssh/id_ed25519"', f'key_file = "{KEY_FILE}"'
+        )
+        source.write_text(text + f'\n[secrets]\nhf_token = "{TOML_TOKEN}"\n')
+        cluster = tomllib.loads(source.read_text())["name"]
+        install = {"cluster": cluster, "config_file": source, "bin_dir": str(BIN)}
+        install_controller(str(root), **install)  # type: ignore[arg-type]
+        env = root / f"etc/vllm-redeploy/{cluster}.env"
+        env.write_text(env.read_text() + SECRETS_ADDED)
+        install_controller(str(root), **install)  # type: ignore[arg-type]
+        passwd = (root / "etc/passwd").read_text().splitlines()
+        ids = {
+            f[0]: (int(f[2]), int(f[3]))
+            for f in (line.split(":") for line in passwd)
+            if f[0] in (SERVICE_USER, WEBHOOK_USER)
+        }
+        # The state directory as systemd makes it (StateDirectoryMode=0700), the key in it.
+        state = root / "var/lib/vllm-redeploy/.ssh"
+        state.mkdir(parents=True)
+        (state / "id_ed25519").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+        for path in (state.parent, state, state / "id_ed25519"):
+            os.chown(path, *ids[SERVICE_USER])
+            path.chmod(0o700 if path.is_dir() else 0o600)
+        yield Installed(root, cluster, ids)
+    finally:
+        shutil.rmtree(root)
+
+
+def test_the_webhook_runs_as_its_own_user_with_only_its_secret_and_the_prefect_settings(
+    installed: Installed,
+) -> None:
+    serve, webhook = installed.service("serve"), installed.service("webhook")
+    assert webhook["User"] == [WEBHOOK_USER] != serve["User"] == [SERVICE_USER]
+    assert webhook["Group"] == [WEBHOOK_USER] != serve["Group"]
+    # What its process gets: the unit's Environment= and its own env file, nothing else.
+    [env_file] = webhook["EnvironmentFile"]
+    env = read_env(installed.host_path(env_file))
+    given = {a.split("=", 1)[0] for a in webhook["Environment"]} | set(env)
+    assert given == {
+        "PREFECT_HOME",
+        "PREFECT_SERVER_ANALYTICS_ENABLED",
+        "PREFECT_API_URL",
+        AUTH_CLIENT,
+        SECRET_ENV,
+    }
+    assert env[SECRET_ENV] == WEBHOOK_SECRET and env[AUTH_CLIENT].startswith(f"{SERVICE_USER}:")
+    # Its configuration: the cluster's, without the SSH key, its passphrase or the HF token;
+    # the env file beside it is its own, which the loader reads.
+    argv = webhook["ExecStart"][0].split()
+    config_file = argv[argv.index("--config") + 1]
+    assert config_file == f"/etc/vllm-redeploy/{installed.cluster}.webhook.toml"
+    assert cluster_env_file(Path(config_file)) == Path(env_file)
+    mine = {installed.host_path(config_file), installed.host_path(env_file)}
+    for path in mine:
+        text = path.read_text()
+        assert not any(s in text for s in (HF_TOKEN, PASSPHRASE, API_KEY, TOML_TOKEN, KEY_FILE)), (
+            path
+        )
+    config = load_config(installed.host_path(config_file), env_file=None)  # no key file here
+    assert config.secrets.webhook_secret is not None
+    assert config.secrets.webhook_secret.get_secret_value() == WEBHOOK_SECRET
+    assert config.secrets.hf_token is None and config.ssh.key_passphrase is None
+    assert [n.name for n in config.nodes] == ["spark-a", "spark-b"]
+    # What it cannot read. In its mount namespace /etc/vllm-redeploy holds its two files only,
+    # and the services' state directory (SSH key, known_hosts, Prefect's database) is not there.
+    assert webhook["TemporaryFileSystem"] == ["/etc/vllm-redeploy:ro"]
+    assert webhook["BindReadOnlyPaths"] == [f"{config_file} {env_file}"]
+    assert webhook["InaccessiblePaths"] == ["-/var/lib/vllm-redeploy"]
+    assert webhook["StateDirectory"] == [WEBHOOK_USER] != serve["StateDirectory"]
+    # And without the namespace, the file modes: its user opens its two files, nothing else.
+    conf = installed.conf
+    readable = {p for p in conf.iterdir() if installed.readable_by(WEBHOOK_USER, p)}
+    assert readable == mine
+    key = installed.host_path(KEY_FILE)
+    assert not installed.readable_by(WEBHOOK_USER, key)
+    assert installed.readable_by(SERVICE_USER, key)  # the check can tell
+
+
+def test_the_watcher_has_ssh_but_no_hf_token_and_serve_has_all(installed: Installed) -> None:
+    serve, watch = installed.service("serve"), installed.service("watch")
+    assert watch["User"] == serve["User"] == [SERVICE_USER]  # both log in to the nodes
+    assert watch["StateDirectory"] == serve["StateDirectory"] == [SERVICE_USER]  # the key's home
+    [env_file] = watch["EnvironmentFile"]
+    argv = watch["ExecStart"][0].split()
+    config_file = argv[argv.index("--config") + 1]
+    assert cluster_env_file(Path(config_file)) == Path(env_file)
+    env = read_env(installed.host_path(env_file))
+    assert env["VLLM_REDEPLOY_SSH__KEY_PASSPHRASE"] == PASSPHRASE and AUTH_CLIENT in env
+    assert env["VLLM_REDEPLOY_SECRETS__VLLM_API_KEY"] == API_KEY  # its looks ask vLLM with it
+    for path in (env_file, config_file):
+        text = installed.host_path(path).read_text()
+        assert not any(s in text for s in (HF_TOKEN, TOML_TOKEN, WEBHOOK_SECRET)), path
+    data = tomllib.loads(installed.host_path(config_file).read_text())
+    assert data["ssh"]["key_file"] == KEY_FILE and "secrets" not in data
+    # The cluster's .env (HF token) is not in its namespace, though its user could read it.
+    assert watch["TemporaryFileSystem"] == ["/etc/vllm-redeploy:ro"]
+    assert watch["BindReadOnlyPaths"] == [f"{config_file} {env_file}"]
+    # serve runs the flow: it gets everything.
+    assert serve["EnvironmentFile"] == [f"/etc/vllm-redeploy/{installed.cluster}.env"]
+    everything = installed.host_path(serve["EnvironmentFile"][0]).read_text()
+    assert all(s in everything for s in (HF_TOKEN, PASSPHRASE, WEBHOOK_SECRET, API_KEY))
+    assert "TemporaryFileSystem" not in serve and "InaccessiblePaths" not in serve
 
 
 # --- the bed's systemd: what is installed is what runs -----------------------------------------
@@ -337,7 +538,8 @@ def _remove_controller(node: EmulatedNode) -> None:
     )
     node.systemctl("stop", "vllm-redeploy-prefect.service")
     node.run(["sh", "-c", f"rm -rf /etc/vllm-redeploy {units} /etc/systemd/system/*.service.d"])
-    node.run(["userdel", SERVICE_USER])
+    for user in (SERVICE_USER, WEBHOOK_USER):
+        node.run(["userdel", user])
     node.systemctl("daemon-reload")
 
 
@@ -370,6 +572,9 @@ def controller(bed: TestBed, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                 f"/etc/vllm-redeploy/{cluster}.env",
                 f"PREFECT_API_URL={api}\n{SECRET_ENV}={secret}\n",
             )
+            # As docs/operations.md says after an edit: again, so the watcher and the webhook get
+            # their part of it.
+            runner.run(_install_command(cluster_toml), timeout=120)
             # The bed's /var is the host's: the services keep their state in the test's directory.
             state = f"[Service]\nEnvironment=PREFECT_HOME={work}/prefect\n"
             state += f"Environment=PREFECT_UI_STATIC_DIRECTORY={work}/ui\n"
@@ -420,19 +625,17 @@ def test_install_controller_on_a_node_installs_there_only_and_a_rerun_changes_no
     assert node.run(["id", "-u", SERVICE_USER]).returncode == 0
     assert SERVICE_USER not in Path("/etc/passwd").read_text()
     assert not Path("/etc/systemd/system/vllm-redeploy-prefect.service").exists()
+    env_files = ["prefect.env", f"{cluster}.env", f"{cluster}.watch.env", f"{cluster}.webhook.env"]
     stats = node.run(
-        [
-            "stat",
-            "-c",
-            "%n %a %U",
-            "/etc/vllm-redeploy/prefect.env",
-            f"/etc/vllm-redeploy/{cluster}.env",
-        ]
+        ["stat", "-c", "%n %a %U %G", *(f"/etc/vllm-redeploy/{f}" for f in env_files)]
     ).stdout.split("\n")
-    assert stats[:2] == [
-        f"/etc/vllm-redeploy/prefect.env 600 {SERVICE_USER}",
-        f"/etc/vllm-redeploy/{cluster}.env 600 {SERVICE_USER}",
+    assert stats[:4] == [
+        f"/etc/vllm-redeploy/prefect.env 640 root {SERVICE_USER}",
+        f"/etc/vllm-redeploy/{cluster}.env 640 root {SERVICE_USER}",
+        f"/etc/vllm-redeploy/{cluster}.watch.env 640 root {SERVICE_USER}",
+        f"/etc/vllm-redeploy/{cluster}.webhook.env 640 root {WEBHOOK_USER}",
     ]
+    assert node.run(["id", "-u", WEBHOOK_USER]).returncode == 0
     assert node.systemctl("is-enabled", controller.unit("serve")).stdout == "enabled\n"
 
     rerun = controller.runner.run(_install_command(controller.cluster_toml), timeout=120)
@@ -606,6 +809,70 @@ def test_compose_runs_the_controller_with_secrets_from_an_uncommitted_env_file()
         if line.startswith("COPY "):
             assert all((REPO / src).exists() for src in line.split()[1:-1]), line
     assert "USER vllm-redeploy" in dockerfile and "pip install --no-cache-dir ." in dockerfile
+
+
+SSH_DIR = "/home/vllm-redeploy/.ssh"  # where compose.yaml mounts the keys
+
+
+def _secrets_of(service: dict[str, Any]) -> set[str]:
+    """The compose.env variables a service's environment takes (``${NAME...}``)."""
+    values = " ".join(str(v) for v in service.get("environment", {}).values())
+    return set(re.findall(r"\$\{([A-Z_]+)", values))
+
+
+def _mounts(service: dict[str, Any]) -> set[str]:
+    """Where a service's volumes go inside (``${VAR:-default}:/inside:ro``)."""
+    sources = (re.sub(r"\$\{[^}]*\}", "SOURCE", v) for v in service.get("volumes", []))
+    return {volume.split(":")[1] for volume in sources}
+
+
+def test_compose_gives_each_service_only_its_secrets_and_mounts(tmp_path: Path) -> None:
+    services = _compose()["services"]
+    ours = {name: s for name, s in services.items() if "build" in s}
+    assert set(ours) == {"deploy", "worker", "webhook", "watcher"}
+    assert {name: _secrets_of(s) for name, s in ours.items()} == {
+        "deploy": {"PREFECT_AUTH_STRING", "VRD_CLUSTER"},
+        "worker": {"PREFECT_AUTH_STRING", "HF_TOKEN", "SSH_KEY_PASSPHRASE", "VLLM_API_KEY"},
+        "webhook": {"PREFECT_AUTH_STRING", "WEBHOOK_SECRET"},
+        "watcher": {"PREFECT_AUTH_STRING", "SSH_KEY_PASSPHRASE", "VLLM_API_KEY"},
+    }
+    config = "/etc/vllm-redeploy/cluster.toml"
+    assert {name: _mounts(s) for name, s in ours.items()} == {
+        "deploy": set(),
+        "worker": {config, SSH_DIR},
+        "webhook": {config},  # the network reaches it: no SSH key in its container
+        "watcher": {config, SSH_DIR},
+    }
+    webhook = ours["webhook"]
+    assert set(webhook["environment"]) == {"PREFECT_API_URL", AUTH_CLIENT, SECRET_ENV}
+    # The worker's runs use the mounted configuration only (a run naming another is refused).
+    assert ours["worker"]["environment"]["VLLM_REDEPLOY_CONFIG"] == config
+    # The webhook reads the configuration without the SSH keys, which its container lacks: the
+    # loader would refuse a key file that is not there. Its command, run here.
+    script = webhook["command"][2]
+    derive, serve = script.split(" && exec ")
+    source = tmp_path / "cluster.toml"
+    key = tmp_path / "no-such-key"  # as in the webhook's container: named, not there
+    text = EXAMPLE.read_text().replace('# key_file = "~/.ssh/id_ed25519"', f'key_file = "{key}"')
+    source.write_text(text)
+    with pytest.raises(ConfigError, match="key file"):
+        load_config(source, env_file=None)
+    argv = derive.split()
+    assert argv[:4] == ["python", "-m", "deployments.install_controller", "--webhook-config"]
+    assert argv[4] == config
+    target = tmp_path / "webhook.toml"
+    done = subprocess.run(
+        [sys.executable, *argv[1:4], str(source), str(target)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert serve.split()[:4] == ["vllm-redeploy", "webhook", "--config", argv[5]]
+    derived = load_config(target, env_file=None)
+    assert derived.name == load_config(EXAMPLE, env_file=None).name
+    assert derived.ssh.key_file is None
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")

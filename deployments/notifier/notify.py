@@ -7,11 +7,14 @@ file named by $VRD_NOTIFIER_ENV, with lines KEY=VALUE:
 
     URL=http://controller:8787          the webhook's base URL (required)
     NODE=spark-a                        this node's name in the cluster configuration (required)
-    SECRET_FILE=/etc/.../notifier.secret  file holding the shared secret, mode 0600 (required)
+    SECRET_FILE=/etc/.../notifier.secret  file holding the shared secret, mode 0600 (required
+                                        unless systemd hands it over as a credential)
     BOOT_ID_FILE=/proc/sys/kernel/random/boot_id   (optional)
     MAX_WAIT_S=3600                     give up after retrying this long (optional)
 
-The secret is read from its file only: never from the command line or the environment.
+The secret is read from a file only: never from the command line or the environment. Under
+vllm-redeploy-notify.service it runs as an unprivileged user that cannot read SECRET_FILE; systemd
+reads it (LoadCredential=) into $CREDENTIALS_DIRECTORY/notifier.secret, which is used first.
 Each attempt signs f"{timestamp}." + body with HMAC-SHA256 and POSTs URL/reboot; connection
 errors, 5xx, 408, 429 and 401 (a clock not yet synchronised right after boot) are retried with
 backoff 1, 2, 4 ... 60 s. Exit codes: 0 accepted (202), 1 gave up after MAX_WAIT_S,
@@ -33,6 +36,7 @@ import urllib.request
 DEFAULT_ENV_FILE = "/etc/vllm-redeploy/notifier.env"
 DEFAULT_BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 UPTIME_FILE = "/proc/uptime"
+CREDENTIAL = "notifier.secret"  # LoadCredential= of the unit
 DEFAULT_MAX_WAIT_S = 3600.0
 MAX_DELAY_S = 60.0
 REQUEST_TIMEOUT_S = 10.0
@@ -93,9 +97,21 @@ def read_secret(path: str) -> str:
     return secret
 
 
+def credential_file() -> str | None:
+    """The secret as systemd handed it to this service (LoadCredential=), or None."""
+    directory = os.environ.get("CREDENTIALS_DIRECTORY")
+    if not directory:
+        return None
+    path = os.path.join(directory, CREDENTIAL)
+    return path if os.path.isfile(path) else None
+
+
 def load_settings() -> dict[str, object]:
     env_file = os.environ.get("VRD_NOTIFIER_ENV") or DEFAULT_ENV_FILE
     values = read_env_file(env_file)
+    credential = credential_file()
+    if credential is not None:
+        values["SECRET_FILE"] = credential
     missing = [k for k in ("URL", "NODE", "SECRET_FILE") if not values.get(k)]
     if missing:
         raise ConfigProblem(f"{env_file}: missing {', '.join(missing)}")
