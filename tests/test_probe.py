@@ -137,6 +137,11 @@ def test_a_500_without_json_is_unhealthy_in_one_line() -> None:
          "the model repeats '<unk>' 9 times in its reasoning"),
         ({"content": None, "reasoning": "?!. ,;: -- ... !?"},
          "the model answers only punctuation and symbols in its reasoning"),
+        # Added and special tokens are as long as their vocabulary makes them: still a loop.
+        ({"content": None, "reasoning": "<|reserved_special_token_42|>" * 10},
+         "the model repeats '<|reserved_special_token_42|>' 10 times in its reasoning"),
+        ({"content": "<|im_end|> " * 9, "reasoning": THINKING},
+         "the model repeats '<|im_end|>' 9 times in its content"),
     ],
 )  # fmt: skip
 def test_an_answer_that_loops_on_one_token_is_unhealthy(message: dict, detail: str) -> None:

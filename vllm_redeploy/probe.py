@@ -22,7 +22,7 @@ from vllm_redeploy.safe_text import one_line
 
 DETAIL_CHARS = 200
 MIN_REPEATS = 8  # a unit this many times over is a loop, not an answer
-MAX_UNIT = 16  # characters: a token or two
+SHOWN_UNIT = 60  # characters of a repeated unit the verdict quotes
 
 
 @dataclass(frozen=True)
@@ -98,20 +98,29 @@ def judge(status_code: int, body: str, elapsed_s: float | None = None) -> ProbeV
 
 def garbage(text: str) -> str | None:
     """Why ``text`` is what a broken model emits ("repeats '!' 50 times", "answers only
-    punctuation"), or None for an answer."""
+    punctuation"), or None for an answer. A loop is a unit of any length (an added or special
+    token can be dozens of characters) that tiles the whole text MIN_REPEATS times or more."""
     flat = text.strip()
-    for size in range(1, MAX_UNIT + 1):
-        unit = flat[:size]
-        times, rest = divmod(len(flat), size)
-        if unit * times + unit[:rest] != flat:
-            continue
-        word = unit.strip()
-        if (count := flat.count(word)) >= MIN_REPEATS:
-            return f"repeats {_excerpt(word, MAX_UNIT)!r} {count} times"
-        break  # the shortest unit that tiles the text is the one that counts
+    period = _shortest_period(flat)
+    if period and len(flat) // period >= MIN_REPEATS:
+        word = flat[:period].strip()
+        count = flat.count(word)
+        return f"repeats {_excerpt(word, SHOWN_UNIT)!r} {count} times"
     if flat and not any(unicodedata.category(c)[0] in "LN" for c in flat):
         return "answers only punctuation and symbols"
     return None
+
+
+def _shortest_period(text: str) -> int:
+    """The shortest p such that ``text`` is its first p characters over and over (the last
+    time perhaps cut short): Knuth-Morris-Pratt's failure function, in one pass."""
+    border = [0] * len(text)
+    for i in range(1, len(text)):
+        k = border[i - 1]
+        while k and text[i] != text[k]:
+            k = border[k - 1]
+        border[i] = k + (text[i] == text[k])
+    return len(text) - border[-1] if text else 0
 
 
 def run_probe(
