@@ -6,7 +6,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import Run, StepFailed, log
-from vllm_redeploy.endpoint import api_base
+from vllm_redeploy.endpoint import api_base, api_key
 from vllm_redeploy.probe import ProbeVerdict, run_probe
 
 STEP = "probe"
@@ -21,6 +21,7 @@ def probe(run: Run) -> ProbeVerdict:
         p.max_tokens,
         p.temperature,
         p.timeout_s,
+        api_key(run.config),
     )
 
 

@@ -21,7 +21,14 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import Run, StepFailed, log
-from vllm_redeploy.endpoint import api_base, engine_version, list_models
+from vllm_redeploy.endpoint import (
+    api_base,
+    api_key,
+    auth_headers,
+    engine_version,
+    list_models,
+    refused_key,
+)
 from vllm_redeploy.launch.plan import LaunchPlan, Member
 from vllm_redeploy.names import artifact_key
 from vllm_redeploy.nodes import NodeDocker, RemoteError, fan_out
@@ -85,9 +92,16 @@ def wait_until_ready(run: Run, plan: LaunchPlan) -> Ready:
     last_report = started
     next_group_check = started + GROUP_CHECK_S
     listed: list[str] | None = None
-    with httpx.Client(timeout=HTTP_TIMEOUT) as client:
+    with httpx.Client(timeout=HTTP_TIMEOUT, headers=auth_headers(api_key(config))) as client:
         while True:
-            listed, _ = list_models(client, url)
+            listed, why = list_models(client, url)
+            if refused_key(why):  # it serves, and will refuse us for as long as it runs
+                raise StepFailed(
+                    STEP,
+                    f"{api.what} on {api.node} answers {url}/v1/models with {why}. "
+                    "Nothing we send will change that; the run stops instead of waiting "
+                    f"{deadline_s:g} s.",
+                )
             if listed is not None and want in listed:
                 update_progress_artifact(progress_id, 100.0)
                 waited = time.monotonic() - started

@@ -217,9 +217,10 @@ def test_ray_arguments_are_checked_alike_and_values_after_equals_may_hold_spaces
 
 
 def test_the_fix_does_not_show_a_secret_flags_value(tmp_path: Path) -> None:
-    path = write(tmp_path, MINIMAL + 'extra_args = ["--api-key sk-live-123"]\n')
+    # --api-key itself is refused whole (test_api_key); any flag named like a secret is masked.
+    path = write(tmp_path, MINIMAL + 'extra_args = ["--hf-token hf_live123"]\n')
     (problem,) = problems_of(path)
-    assert "sk-live-123" not in problem and '["--api-key", "*****"]' in problem
+    assert "hf_live123" not in problem and '["--hf-token", "*****"]' in problem
 
 
 # --- 4. strings for numbers and booleans ----------------------------------------------------------

@@ -192,7 +192,7 @@ def test_no_secret_on_any_command_line_while_serving(runs: Runs) -> None:
     assert leaks(scan.ps_over_ssh) == []
 
 
-def _logs(flow_run_id: Any) -> list[str]:
+def flow_run_logs(flow_run_id: Any) -> list[str]:
     with get_client(sync_client=True) as client:
         lines: list[str] = []
         while True:
@@ -210,7 +210,7 @@ def test_no_secret_in_the_prefect_logs(runs: Runs) -> None:
     ok_id, failed_id = _flow_run_ids(runs)
     deadline = time.monotonic() + 30  # logs reach the server in batches
     while True:
-        ok_logs, failed_logs = _logs(ok_id), _logs(failed_id)
+        ok_logs, failed_logs = flow_run_logs(ok_id), flow_run_logs(failed_id)
         complete = any("started " + engine_container_name(runs) in x for x in ok_logs) and any(
             "failed at wait-ready" in x for x in failed_logs
         )

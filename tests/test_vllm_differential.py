@@ -5,7 +5,8 @@ Each runs as a plain process on one node (TP=1) with the same flags and the tiny
 stand-in claiming the real engine's version. Compared: flags refused (exit code and vLLM's
 words), the readiness sequence (connection refused while loading, then /health and /v1/models
 together), the shapes of /v1/models, /health, /version, a chat completion that spends its budget
-thinking and an unknown model's error, and the log lines the product parses (load progress).
+thinking and an unknown model's error, the log lines the product parses (load progress), and
+the API key (both run with VLLM_API_KEY, as the product starts them): what it guards and the 401.
 The multi-node rendezvous lines and the exit codes after faults are compared on the bed: the
 real engine's in tests/test_real_vllm.py, the stand-in's in tests/test_mp_backend.py.
 """
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,10 @@ REPO = Path(__file__).resolve().parents[1]
 ENGINES = ("real", "standin")
 FLAGS = ["--served-model-name", SERVED_NAME, "--reasoning-parser", "qwen3", "--enforce-eager",
          "--max-model-len", "1024"]  # fmt: skip
+# Both engines run with an API key, given as the product gives it (VLLM_API_KEY); every request
+# below sends it, but those of the test that compares what it guards.
+API_KEY = f"sk-differential-{uuid.uuid4().hex}"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 THINKING = {"model": SERVED_NAME, "max_tokens": 16, "temperature": 0,
             "messages": [{"role": "user", "content": "What is 2+2?"}]}  # fmt: skip
 
@@ -51,7 +57,7 @@ READY_TIMEOUT_S = "1"
 
 def env(engine: str) -> dict[str, str]:
     common = {"PATH": "/usr/bin:/bin", "HOME": "/root", "PYTHONUNBUFFERED": "1",
-              "VLLM_ENGINE_READY_TIMEOUT_S": READY_TIMEOUT_S}  # fmt: skip
+              "VLLM_ENGINE_READY_TIMEOUT_S": READY_TIMEOUT_S, "VLLM_API_KEY": API_KEY}  # fmt: skip
     if engine == "real":
         inductor = real_vllm.compile_cache() / "inductor"  # where the product's [cache] puts it
         return common | {"VLLM_CPU_KVCACHE_SPACE": "1", "TORCHINDUCTOR_CACHE_DIR": str(inductor)}
@@ -68,11 +74,13 @@ class Server:
     base: str
     states: list[str]  # the readiness sequence, each state once, as the product sees it
 
-    def get(self, route: str) -> httpx.Response:
-        return httpx.get(self.base + route, timeout=10)
+    def get(self, route: str, headers: dict[str, str] = AUTH) -> httpx.Response:
+        return httpx.get(self.base + route, headers=headers, timeout=10)
 
-    def post(self, route: str, body: dict[str, Any]) -> httpx.Response:
-        return httpx.post(self.base + route, json=body, timeout=120)
+    def post(
+        self, route: str, body: dict[str, Any], headers: dict[str, str] = AUTH
+    ) -> httpx.Response:
+        return httpx.post(self.base + route, json=body, headers=headers, timeout=120)
 
 
 def _state(host: str, port: int, base: str) -> str:
@@ -84,7 +92,7 @@ def _state(host: str, port: int, base: str) -> str:
         return "no answer"
     try:
         health = httpx.get(base + "/health", timeout=2).status_code
-        models = httpx.get(base + "/v1/models", timeout=2)
+        models = httpx.get(base + "/v1/models", headers=AUTH, timeout=2)
     except httpx.HTTPError as exc:
         return f"listening, {type(exc).__name__}"
     listed = models.status_code == 200 and SERVED_NAME in models.text
@@ -240,3 +248,42 @@ def test_the_metrics_that_tell_busy_from_stuck_read_alike(servers: dict[str, Ser
         after = parse_metrics(server.get("/metrics").text)
         assert (after.running, after.waiting) == (0, 0), engine
         assert after.tokens > before.tokens, (engine, before, after)
+
+
+def test_the_api_key_guards_the_same_routes_with_the_same_401(servers: dict[str, Server]) -> None:
+    """vLLM's key (VLLM_API_KEY, the product's way) guards /v1 (and /v2) only, whatever the
+    route, with one 401 body; a bearer of the key in any case passes; /health, /metrics and
+    /version stay open. Neither engine prints the key."""
+    wrong = {"Authorization": "Bearer sk-not-it"}
+    basic = {"Authorization": f"Basic {API_KEY}"}
+    lower = {"Authorization": f"bearer {API_KEY}"}
+    asked = [
+        ("GET", "/v1/models", {}),
+        ("GET", "/v1/models", wrong),
+        ("GET", "/v1/models", basic),
+        ("GET", "/v1/models", lower),
+        ("POST", "/v1/chat/completions", {}),
+        ("GET", "/v1/no-such-route", {}),
+        ("GET", "/v2/no-such-route", {}),
+        ("GET", "/health", {}),
+        ("GET", "/metrics", {}),
+        ("GET", "/version", {}),
+    ]
+    seen: dict[str, list[tuple[str, str, int, str | None]]] = {}
+    for engine, server in servers.items():
+        seen[engine] = []
+        for method, route, headers in asked:
+            if method == "GET":
+                answer = server.get(route, headers)
+            else:
+                answer = server.post(route, THINKING, headers)
+            body = answer.text if answer.status_code == 401 else None
+            seen[engine].append((method, route, answer.status_code, body))
+        assert API_KEY not in server.log.read_text(errors="replace"), engine
+    refused = [(m, r, code, body) for m, r, code, body in seen["real"] if code == 401]
+    assert [r for _, r, _, _ in refused] == [
+        "/v1/models", "/v1/models", "/v1/models", "/v1/chat/completions",
+        "/v1/no-such-route", "/v2/no-such-route",
+    ], seen["real"]  # fmt: skip
+    assert {body for *_, body in refused} == {'{"error":"Unauthorized"}'}, refused
+    assert seen["standin"] == seen["real"], seen

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_redeploy.config import ClusterConfig, NodeConfig
+from vllm_redeploy.config.cluster import MASK
+from vllm_redeploy.config.launch import API_KEY_VARIABLE
 from vllm_redeploy.endpoint import api_base
 from vllm_redeploy.launch import (
     ImageEntrypoint,
@@ -87,6 +89,11 @@ def plan_lines(config: ClusterConfig, inspect_nodes: bool = True) -> list[str]:
         f"probe: {config.probe.prompt!r}, max_tokens {config.probe.max_tokens}, "
         f"temperature {config.probe.temperature:g}"
     )
+    if config.secrets.vllm_api_key is not None:
+        lines.append(
+            f"API key: [secrets] vllm_api_key, given to the engine as {API_KEY_VARIABLE}={MASK}; "
+            f"every request to /v1 sends Authorization: Bearer {MASK}"
+        )
     return lines
 
 
@@ -167,6 +174,8 @@ def _options(
         f"{', '.join(spec.cap_add) or 'none added'}; ulimits: {ulimits}; privileged: "
         f"{'yes' if spec.privileged else 'no'}"
     )
-    env = ", ".join(f"{k}={shown(v)}" for k, v in sorted(spec.env.items()) if v not in secrets)
+    env = ", ".join(
+        f"{k}={MASK if v in secrets else shown(v)}" for k, v in sorted(spec.env.items())
+    )
     lines.append(f"    env: {env}")
     return lines

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import httpx
 
 from vllm_redeploy.parsers.vllm_metrics import EngineCounters, parse_metrics
-from vllm_redeploy.probe import chat_request, judge
+from vllm_redeploy.probe import bearer, chat_request, judge
 from vllm_redeploy.safe_text import one_line
 
 PROMPT = "Hi"
@@ -40,12 +40,15 @@ class GenerationCheck:
         return asdict(self)
 
 
-def check_generation(base_url: str, model: str, timeout_s: float) -> GenerationCheck:
+def check_generation(
+    base_url: str, model: str, timeout_s: float, api_key: str | None = None
+) -> GenerationCheck:
     """One 1-token generation against ``base_url`` (http://head:port), judged with the
-    engine's counters when it gets no answer within ``timeout_s``."""
+    engine's counters when it gets no answer within ``timeout_s``; with ``api_key``, as vLLM's
+    bearer token."""
     base = base_url.rstrip("/")
     started = time.monotonic()
-    with httpx.Client(timeout=METRICS_TIMEOUT) as client:
+    with httpx.Client(timeout=METRICS_TIMEOUT, headers=bearer(api_key)) as client:
         before = read_counters(client, base)
         try:
             response = client.post(

@@ -48,6 +48,11 @@ def chat_request(model: str, prompt: str, max_tokens: int, temperature: float) -
     }
 
 
+def bearer(api_key: str | None) -> dict[str, str]:
+    """The header that carries vLLM's API key (``--api-key``/VLLM_API_KEY); none without one."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def judge(status_code: int, body: str, elapsed_s: float | None = None) -> ProbeVerdict:
     """Judge one /v1/chat/completions reply (status and raw body)."""
 
@@ -124,14 +129,24 @@ def _shortest_period(text: str) -> int:
 
 
 def run_probe(
-    base_url: str, model: str, prompt: str, max_tokens: int, temperature: float, timeout_s: float
+    base_url: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    temperature: float,
+    timeout_s: float,
+    api_key: str | None = None,
 ) -> ProbeVerdict:
-    """Send the probe to ``base_url`` (e.g. http://head:30000) and judge the reply."""
+    """Send the probe to ``base_url`` (e.g. http://head:30000) and judge the reply; with
+    ``api_key``, as vLLM's bearer token."""
     url = base_url.rstrip("/") + "/v1/chat/completions"
     timeout = httpx.Timeout(timeout_s, connect=min(5.0, timeout_s))
     try:
         response = httpx.post(
-            url, json=chat_request(model, prompt, max_tokens, temperature), timeout=timeout
+            url,
+            json=chat_request(model, prompt, max_tokens, temperature),
+            headers=bearer(api_key),
+            timeout=timeout,
         )
     except httpx.TimeoutException:
         return ProbeVerdict(False, f"no reply from {url} within {timeout_s:g} s")

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from vllm_redeploy.config import ClusterConfig, NodeConfig
-from vllm_redeploy.endpoint import api_base, engine_version, list_models
+from vllm_redeploy.endpoint import api_base, api_key, auth_headers, engine_version, list_models
 from vllm_redeploy.generation import GenerationCheck, check_generation
 from vllm_redeploy.gpus import inspect_gpus
 from vllm_redeploy.launch import (
@@ -286,18 +286,19 @@ def check_endpoint(
     probe is not sent (it would only wait out its own timeout)."""
     base = api_base(config)
     want = config.vllm.served_name
+    key = api_key(config)
     health: int | None = None
-    with httpx.Client(timeout=HTTP_TIMEOUT) as client:
+    with httpx.Client(timeout=HTTP_TIMEOUT, headers=auth_headers(key)) as client:
         models, models_error = list_models(client, base)
         with contextlib.suppress(httpx.HTTPError):
             health = client.get(f"{base}/health").status_code
         version = engine_version(client, base) if models is not None and probe else None
     generation = verdict = None
     if generate and models is not None:
-        generation = check_generation(base, want, config.watch.generate_timeout_s)
+        generation = check_generation(base, want, config.watch.generate_timeout_s, key)
     if probe and (generation is None or generation.verdict != "stuck"):
         p = config.probe
-        verdict = run_probe(base, want, p.prompt, p.max_tokens, p.temperature, p.timeout_s)
+        verdict = run_probe(base, want, p.prompt, p.max_tokens, p.temperature, p.timeout_s, key)
     return EndpointStatus(
         f"{base}/v1", want, models, models_error, health, version, verdict, generation
     )

@@ -149,6 +149,7 @@ SECRET_KEYS: tuple[tuple[str, str], ...] = (
     ("secrets", "hf_token"),
     ("secrets", "webhook_secret"),
     ("ssh", "key_passphrase"),
+    ("secrets", "vllm_api_key"),
 )
 MASK = "*****"
 

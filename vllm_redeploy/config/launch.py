@@ -93,6 +93,36 @@ def _masked_words(words: list[str]) -> list[str]:
     ]
 
 
+# vLLM reads its API key from --api-key, else from this variable (entrypoints/serve/middleware).
+API_KEY_VARIABLE = "VLLM_API_KEY"
+API_KEY_SECRET = "VLLM_REDEPLOY_SECRETS__VLLM_API_KEY"  # noqa: S105 - its name, not a key
+API_KEY_REFUSED = (
+    "{where} would put vLLM's API key {shown}. Remove it and set the key as the secret "
+    f"{API_KEY_SECRET} (the cluster's env file or the environment, never the TOML file): the "
+    f"engine then gets it as {API_KEY_VARIABLE} in its environment, as HF_TOKEN, and the run's "
+    "readiness wait and probe, `status` and the watcher send it as Authorization: Bearer"
+)
+ON_ARGV = (
+    "on the engine's command line, which `ps` on the node, `docker inspect`'s Args, the run's "
+    "log and the dry run show"
+)
+IN_FILE = "in the configuration, which check-config and the dry run show"
+_API_KEY_OPTION = "api-key"
+_SHORTEST_PREFIX = len("api-k")  # argparse takes --api-k for --api-key (--api- is ambiguous)
+
+
+def api_key_flag(args: list[str]) -> str | None:
+    """The item of ``args`` that gives vLLM ``--api-key`` (as vLLM parses flags: underscores
+    for dashes, an unambiguous prefix, ``=value`` or the next word), as written, or None."""
+    for arg in args:
+        words = arg.split("=", 1)[0].split()
+        flag = words[0] if words else ""
+        name = flag[2:].replace("_", "-") if flag.startswith("--") else ""
+        if len(name) >= _SHORTEST_PREFIX and _API_KEY_OPTION.startswith(name):
+            return flag
+    return None
+
+
 class VLLMConfig(Section):
     image: Annotated[str, matches(IMAGE_PATTERN, "Docker image reference")] = Field(
         description="Image with vLLM (and Ray, for the ray backend), identical on every node."
@@ -159,6 +189,8 @@ class VLLMConfig(Section):
     @field_validator("extra_args")
     @classmethod
     def _no_removed_flags(cls, args: list[str]) -> list[str]:
+        if (flag := api_key_flag(args)) is not None:
+            raise ValueError(API_KEY_REFUSED.format(where=f"{flag} in extra_args", shown=ON_ARGV))
         check_arguments(args, "vLLM")
         for arg in args:
             flag = arg.split("=", 1)[0]
@@ -169,6 +201,9 @@ class VLLMConfig(Section):
     @field_validator("env")
     @classmethod
     def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        if API_KEY_VARIABLE in env:
+            where = f"{API_KEY_VARIABLE} in [vllm.env]"
+            raise ValueError(API_KEY_REFUSED.format(where=where, shown=IN_FILE))
         for key, value in env.items():
             if not ENV_NAME_PATTERN.fullmatch(key):
                 raise ValueError(f"{key!r} is not a valid environment variable name")

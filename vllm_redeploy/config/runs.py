@@ -172,6 +172,12 @@ class SecretsConfig(Section):
     webhook_secret: SecretStr | None = Field(
         None, description="Shared secret of the reboot webhook."
     )
+    vllm_api_key: SecretStr | None = Field(
+        None,
+        description="vLLM's API key: given to the engine as VLLM_API_KEY (its environment, "
+        "never its command line); vLLM then refuses /v1 requests without it, and every request "
+        "of ours sends it as Authorization: Bearer.",
+    )
 
 
 class SyncConfig(Section):

@@ -16,7 +16,9 @@ def launch_fingerprint(config: ClusterConfig) -> str:
 
     It digests the Ray backend's container specs whatever the backend (they hold every setting
     both backends read, and the backend is in the digest), so groups started before the mp
-    backend existed keep being recognised.
+    backend existed keep being recognised. Whether vLLM's API key is set is in it (an engine
+    started without one answers keyed requests too); the key is not (an engine started with
+    another one answers 401, which `ensure` redeploys).
     """
     specs = [engine_spec(config), *(ray_spec(n, config) for n in config.nodes)]
     secrets = set(config.secret_values())
@@ -34,4 +36,8 @@ def launch_fingerprint(config: ClusterConfig) -> str:
         for s in specs
     ]
     data.append({"fabric": config.fabric.model_dump(), "backend": config.vllm.backend})
+    if config.secrets.vllm_api_key is not None:
+        # Whether the API wants a key, never the key: an engine started without one would
+        # answer our requests all the same, and `ensure` would leave it open.
+        data.append({"api_key": True})
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vllm_redeploy.config import ClusterConfig, NodeConfig
+from vllm_redeploy.config.launch import API_KEY_VARIABLE
 from vllm_redeploy.launch.caches import cache_env, cache_mounts
 from vllm_redeploy.names import container_name
 from vllm_redeploy.nccl_logging import nccl_logging
@@ -87,6 +88,20 @@ def node_env(
     if node.ib_hcas:
         env["NCCL_IB_HCA"] = ",".join(node.ib_hcas)
     env["VLLM_HOST_IP"] = node.ip
+    return env
+
+
+def api_server_env(config: ClusterConfig) -> dict[str, str]:
+    """The secrets of the member that serves the API (the engine, the mp leader), by
+    environment, never on its command line: the Hugging Face token, and vLLM's API key, which
+    vLLM reads from VLLM_API_KEY when --api-key is not given (the configuration refuses that
+    flag). A container's environment is shown by `docker inspect` to whoever may use the
+    node's Docker, as HF_TOKEN always was; not by `ps`, the run's log or the dry run."""
+    env = {}
+    if config.secrets.hf_token is not None:
+        env["HF_TOKEN"] = config.secrets.hf_token.get_secret_value()
+    if config.secrets.vllm_api_key is not None:
+        env[API_KEY_VARIABLE] = config.secrets.vllm_api_key.get_secret_value()
     return env
 
 

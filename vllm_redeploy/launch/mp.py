@@ -19,7 +19,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from vllm_redeploy.config import ClusterConfig, NodeConfig
-from vllm_redeploy.launch.group import ENGINE_ROLE, NodeFabric, group_spec, node_env, serve_args
+from vllm_redeploy.launch.group import (
+    ENGINE_ROLE,
+    NodeFabric,
+    api_server_env,
+    group_spec,
+    node_env,
+    serve_args,
+)
 from vllm_redeploy.launch.plan import LaunchPlan, Member, Phase
 from vllm_redeploy.names import container_name
 from vllm_redeploy.nodes.containers import ContainerSpec
@@ -91,8 +98,8 @@ def mp_spec(
         for k, v in node_env(node, config, fabric).items()
         if not k.startswith("RAY_") or k in config.vllm.env
     }
-    if leader and config.secrets.hf_token is not None:
-        env["HF_TOKEN"] = config.secrets.hf_token.get_secret_value()
+    if leader:
+        env |= api_server_env(config)
     return group_spec(
         config,
         # The leader keeps the engine's name: it is the API server, as the Ray backend's engine.

@@ -12,6 +12,7 @@ from vllm_redeploy.launch.group import (
     ENGINE_ROLE,
     PER_NODE_VARS,
     NodeFabric,
+    api_server_env,
     engine_container,
     group_spec,
     model_mounts,
@@ -170,8 +171,7 @@ def engine_spec(
         target = f"{VLLM_CONFIG_ROOT}/ray_non_carry_over_env_vars.json"
         script = 'mkdir -p "$(dirname "$1")" && printf %s "$2" > "$1" && shift 2 && exec "$@"'
         argv = ["sh", "-c", script, "sh", target, exclude, *argv]
-    if config.secrets.hf_token is not None:
-        env["HF_TOKEN"] = config.secrets.hf_token.get_secret_value()
+    env |= api_server_env(config)
     return group_spec(
         config,
         name=engine_container(config),

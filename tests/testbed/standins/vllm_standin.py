@@ -27,6 +27,10 @@ With ``--nnodes N`` > 1 it is vLLM's own multi-node launcher instead (no Ray, se
 ``--headless`` ranks follow (join it from their VLLM_HOST_IP, serve nothing). Each node's ranks
 hold that node's GPUs and print their NCCL lines in that node's log.
 
+An API key (``--api-key``, else ``VLLM_API_KEY``) guards what vLLM 0.32.0's middleware guards:
+every path under /v1 (/v2, /inference, /cohere) answers 401 ``{"error":"Unauthorized"}`` without
+``Authorization: Bearer <key>``; /health, /metrics and /version stay open.
+
 Test-bed knobs (environment):
 
 - ``VRD_VLLM_VERSION`` (0.19.0), ``VRD_LOAD_SECONDS`` (2: from the process's start to serving,
@@ -54,6 +58,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import hmac
 import json
 import os
 import signal
@@ -159,6 +164,12 @@ weight loading for large models. Waited {seconds}s (configured by VLLM_ENGINE_RE
 increase the timeout, set the environment variable: VLLM_ENGINE_READY_TIMEOUT_S=<seconds>
 """
 ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+# vLLM's API key (entrypoints/serve/middleware, 0.32.0): --api-key, else this variable, guards
+# every path under these prefixes with this answer; the rest (/health, /metrics) stays open.
+API_KEY_VARIABLE = "VLLM_API_KEY"
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+UNAUTHORIZED_BODY = b'{"error":"Unauthorized"}'
+SENSITIVE_ARGS = frozenset({"api_key", "hf_token"})  # logged as '***'
 
 
 # --------------------------------------------------------------------------- knobs
@@ -376,6 +387,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument("--max-num-seqs", type=int, default=None)
     serve.add_argument("--enforce-eager", action="store_true")
+    serve.add_argument("--api-key", nargs="+", default=None)
     # Any name parses; an unknown one fails when the server looks it up (vLLM 0.32: exit 1).
     serve.add_argument("--reasoning-parser", default="")
     add_multi_node_arguments(serve)
@@ -393,11 +405,19 @@ def add_multi_node_arguments(serve: argparse.ArgumentParser) -> None:
 
 
 def non_default_args(args: argparse.Namespace) -> dict[str, Any]:
-    """What vLLM logs at start-up: every serve argument that differs from its default."""
+    """What vLLM logs at start-up: every serve argument that differs from its default, the
+    API key redacted (vLLM 0.32's redact_sensitive_args)."""
     bare = argparse.ArgumentParser()
     add_serve_arguments(bare)
     defaults = vars(bare.parse_args([]))
-    return {k: v for k, v in vars(args).items() if k in defaults and v != defaults[k]}
+    changed = {k: v for k, v in vars(args).items() if k in defaults and v != defaults[k]}
+    return {k: "***" if k in SENSITIVE_ARGS else v for k, v in changed.items()}
+
+
+def api_keys(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[str, ...]:
+    """The keys the API wants: --api-key's, else VLLM_API_KEY's; empty ones do not count
+    (vLLM's init_entrypoints_middleware)."""
+    return tuple(key for key in (args.api_key or [env.get(API_KEY_VARIABLE)]) if key)
 
 
 @dataclass(frozen=True)
@@ -414,6 +434,7 @@ class ServeConfig:
     max_model_len: int
     launch: mp_launcher.MpLaunch = field(default_factory=mp_launcher.MpLaunch)
     enforce_eager: bool = False
+    api_keys: tuple[str, ...] = ()  # none: the API is open
 
     @property
     def world_size(self) -> int:
@@ -454,6 +475,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         gpu_util=args.gpu_memory_utilization,
         max_model_len=args.max_model_len or DEFAULT_MAX_MODEL_LEN,
         enforce_eager=args.enforce_eager,
+        api_keys=api_keys(args, os.environ),
     )
 
 
@@ -1244,6 +1266,23 @@ class App:
         return not (self.engine.dead.is_set() or self.knobs.fault("health_503"))
 
 
+def authorized(keys: Sequence[str], header: str | None) -> bool:
+    """vLLM's AuthenticationMiddleware.verify_token: ``Bearer <key>`` (the scheme in any case,
+    the key everything after the first space) naming one of the keys."""
+    scheme, _, token = (header or "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    digest = hashlib.sha256(token.encode()).digest()
+    return any(hmac.compare_digest(digest, hashlib.sha256(k.encode()).digest()) for k in keys)
+
+
+def guarded(keys: Sequence[str], method: str, path: str) -> bool:
+    """Does vLLM ask this request for its key? With keys set, every path under its guarded
+    prefixes, whatever the route (unknown ones too), except OPTIONS; /health, /metrics,
+    /version, /ping stay open."""
+    return bool(keys) and method != "OPTIONS" and path.startswith(GUARDED_PREFIXES)
+
+
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
@@ -1287,6 +1326,11 @@ class Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""  # always drained: keep-alive
         path = self.path.split("?", 1)[0]
+        keys = self.app.config.api_keys
+        if guarded(keys, method, path) and not authorized(keys, self.headers.get("Authorization")):
+            # Starlette's JSONResponse, as vLLM's middleware sends it: compact JSON.
+            self._send(401, UNAUTHORIZED_BODY, "application/json")
+            return
         routes: dict[tuple[str, str], Callable[[], None]] = {
             ("GET", "/health"): self._health,
             ("GET", "/ping"): self._health,
