@@ -286,6 +286,18 @@ def test_the_engine_wants_the_key_on_v1_and_status_is_healthy_with_it(
 
 
 @pytest.mark.integration
+def test_the_probe_command_sends_the_key(runs: Runs, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SECRET, KEYS["rotated"])  # the mp leader serves with it now
+    shown = CliRunner().invoke(app, ["probe", "-c", str(runs.path), "--json"])
+    assert shown.exit_code == 0 and json.loads(shown.output)["healthy"], shown.output
+    bare = ["probe", "--url", f"http://{runs.bed.nodes[0].ip}:30000", "--model", SERVED_NAME]
+    assert CliRunner().invoke(app, bare).exit_code == 0
+    monkeypatch.delenv(SECRET)
+    refused = CliRunner().invoke(app, [*bare, "--json"])
+    assert refused.exit_code == 1 and "401" in json.loads(refused.output)["detail"], refused.output
+
+
+@pytest.mark.integration
 def test_the_key_is_in_the_api_servers_environment_only_never_in_its_arguments(
     runs: Runs,
 ) -> None:

@@ -5,6 +5,7 @@ check-gpus.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
@@ -31,8 +32,9 @@ from vllm_redeploy.config import (
     describe,
     settings_data,
 )
+from vllm_redeploy.config.launch import API_KEY_SECRET
 from vllm_redeploy.config.toml_text import is_header, toml_document
-from vllm_redeploy.endpoint import api_base
+from vllm_redeploy.endpoint import api_base, api_key
 from vllm_redeploy.gpus import GpuReport, inspect_gpus
 from vllm_redeploy.nodes import NodeAccess, check_node, fan_out
 from vllm_redeploy.probe import run_probe
@@ -165,7 +167,10 @@ def probe(
     max_tokens: Annotated[int | None, typer.Option(help="Token budget")] = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Send the reasoning-aware sanity probe. Exit 0 iff the model answers healthily."""
+    """Send the reasoning-aware sanity probe (with vLLM's API key when one is set: the
+    configuration's, or VLLM_REDEPLOY_SECRETS__VLLM_API_KEY with --url and --model). Exit 0 iff
+    the model answers healthily."""
+    key = os.environ.get(API_KEY_SECRET) or None
     if url and model:
         prompt, tokens, temperature, timeout = "Say hello in one sentence.", 50, 0.0, 60.0
     else:
@@ -174,7 +179,8 @@ def probe(
         model = model or cluster.vllm.served_name
         p = cluster.probe
         prompt, tokens, temperature, timeout = p.prompt, p.max_tokens, p.temperature, p.timeout_s
-    verdict = run_probe(url, model, prompt, max_tokens or tokens, temperature, timeout)
+        key = api_key(cluster)
+    verdict = run_probe(url, model, prompt, max_tokens or tokens, temperature, timeout, key)
     if as_json:
         out.print_json(json.dumps(verdict.as_dict()))
     else:
