@@ -45,7 +45,7 @@ from tests.test_secrets import flow_run_logs
 from tests.testbed import image
 from tests.testbed.bed import SERVED_NAME, TestBed
 from vllm_redeploy.config import ClusterConfig, ConfigError, load_config
-from vllm_redeploy.launch.fingerprint import launch_fingerprint
+from vllm_redeploy.launch import launch_fingerprint
 from vllm_redeploy.launch.mp import mp_spec
 from vllm_redeploy.launch.ray import engine_spec, ray_spec
 from vllm_redeploy.nodes.containers import LABEL_CLUSTER

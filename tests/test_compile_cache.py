@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from vllm_redeploy.config import ClusterConfig, load_config
+from vllm_redeploy.launch import launch_fingerprint
 from vllm_redeploy.launch.caches import CACHE_VARS, compile_cache_words
-from vllm_redeploy.launch.fingerprint import launch_fingerprint
 from vllm_redeploy.launch.mp import plan as mp_plan
 from vllm_redeploy.launch.ray import engine_spec, ray_spec
 from vllm_redeploy.parsers.vllm_log import compile_cache_state

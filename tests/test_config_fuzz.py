@@ -51,7 +51,7 @@ from vllm_redeploy.config import (
     load_config,
 )
 from vllm_redeploy.dry_run import plan_lines
-from vllm_redeploy.launch.fingerprint import launch_fingerprint
+from vllm_redeploy.launch import launch_fingerprint
 from vllm_redeploy.launch.group import PER_NODE_VARS, container_argv, engine_container
 from vllm_redeploy.launch.ray import (
     engine_spec,

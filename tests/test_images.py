@@ -30,9 +30,8 @@ from tests.testbed.bed import SERVED_NAME, TestBed
 from tests.testbed.procs import free_port
 from vllm_redeploy.config import ClusterConfig, load_config
 from vllm_redeploy.dry_run import plan_lines
-from vllm_redeploy.launch import ImageEntrypoint, fingerprint, plan_for
+from vllm_redeploy.launch import ImageEntrypoint, fingerprint, launch_fingerprint, plan_for
 from vllm_redeploy.launch.entrypoint import runs_arguments
-from vllm_redeploy.launch.fingerprint import launch_fingerprint
 from vllm_redeploy.launch.group import container_argv, engine_container, split_argv
 from vllm_redeploy.launch.ray import (
     RAY_CHECK_ARGV,

@@ -226,6 +226,23 @@ def test_ensure_and_status_read_the_backend_from_what_runs(mp_bed: TestBed) -> N
     assert shown.returncode == 0 and report["backend"] == "mp", report["problems"]
 
 
+def test_ensure_on_mp_compares_what_mp_reads(mp_bed: TestBed) -> None:
+    """On an mp group a changed [ray] port (mp never reads it) leaves the group serving; a
+    changed master_port (its rendezvous) redeploys it, saying why."""
+    path = cluster(mp_bed, 2, "mp-fingerprint")
+    assert redeploy_vllm_cluster(str(path), return_state=True).is_completed()
+    port = load_config(path, env_file=None).vllm.master_port
+    cluster(mp_bed, 2, "mp-fingerprint", ray={"port": 6390})
+    state = redeploy_vllm_cluster(str(path), "ensure", return_state=True)
+    assert state.result()["action"] == "already healthy: nothing changed", state.result()
+    cluster(mp_bed, 2, "mp-fingerprint", ray={"port": 6390}, vllm={"master_port": port + 7})
+    state = redeploy_vllm_cluster(str(path), "ensure", return_state=True)
+    assert state.is_completed(), state.result(raise_on_failure=False)
+    assert state.result()["action"] == "redeployed"
+    notes = " ".join(state.result()["summary"].splitlines())
+    assert "the engine on node-1 runs with other settings than the configuration's" in notes
+
+
 def test_a_frozen_follower_hangs_the_group_and_status_says_so(mp_bed: TestBed) -> None:
     """As on the real engine: every process of the follower stopped, the leader's next model
     step waits for it (vLLM's 300 s), /health stays 200 and the model listed; the 1-token

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from vllm_redeploy.config import ClusterConfig, load_config
-from vllm_redeploy.launch.fingerprint import launch_fingerprint
+from vllm_redeploy.launch import launch_fingerprint, plan_for
+from vllm_redeploy.launch.fingerprint import launch_changed, ray_era_fingerprint
 from vllm_redeploy.launch.group import NodeFabric, container_argv
 from vllm_redeploy.launch.ray import engine_spec, parse_members, ray_spec, vllm_serve_args
 from vllm_redeploy.parsers.vllm_log import last_load_progress
@@ -119,6 +120,36 @@ def test_the_launch_fingerprint_follows_the_settings(tmp_path: Path) -> None:
         )
     )
     assert launch_fingerprint(load_config(path, env_file=None)) != launch_fingerprint(example())
+
+
+@pytest.mark.parametrize(
+    ("backend", "changes", "kept"),
+    [("mp", "master_port", "ray.port"), ("ray", "ray.port", "master_port")],
+)
+def test_each_backend_digests_only_what_it_reads(backend: str, changes: str, kept: str) -> None:
+    """mp's command line reads [vllm] master_port and nothing of [ray]; Ray the reverse."""
+    before = example()
+
+    def moved(setting: str) -> ClusterConfig:
+        if setting == "master_port":
+            update = {"vllm": before.vllm.model_copy(update={"master_port": 29611})}
+        else:
+            update = {"ray": before.ray.model_copy(update={"port": 6390})}
+        return before.model_copy(update=update)
+
+    assert launch_fingerprint(moved(changes), backend) != launch_fingerprint(before, backend)
+    assert launch_fingerprint(moved(kept), backend) == launch_fingerprint(before, backend)
+
+
+def test_an_mp_group_stamped_before_is_told_apart_from_changed_settings() -> None:
+    """Groups started while every digest took Ray's specs: ensure redeploys an mp one once,
+    saying so; a Ray one is recognised as it was."""
+    config = example()
+    era = ray_era_fingerprint(config)
+    assert plan_for("ray", config).fingerprint == era
+    mp = plan_for("mp", config)
+    assert "was started by an earlier vllm-redeploy" in launch_changed(config, mp, era)
+    assert "other settings" in launch_changed(config, mp, "0123456789abcdef")
 
 
 def test_ray_membership_parsing() -> None:

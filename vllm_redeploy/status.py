@@ -31,6 +31,7 @@ from vllm_redeploy.launch import (
     plan_for,
 )
 from vllm_redeploy.launch.choose import BACKENDS
+from vllm_redeploy.launch.fingerprint import launch_changed
 from vllm_redeploy.launch.ray import (
     RayMember,
     membership_problems,
@@ -324,10 +325,8 @@ def judge(
                 problems.append(f"{member.what} on {node.name} is not running")
         engine = next((c for c in node.containers if c.name == engine_name and c.running), None)
         if engine is not None and engine.launch != plan.fingerprint:
-            problems.append(
-                f"the engine on {node.name} runs with other settings than the configuration's "
-                "(it changed since the launch)"
-            )
+            why = launch_changed(config, plan, engine.launch)
+            problems.append(f"the engine on {node.name} {why}")
     if plan.rendezvous_port is not None:
         problems += _orphans(config, plan, nodes)
     problems += ray.problems

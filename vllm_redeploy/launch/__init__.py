@@ -7,11 +7,11 @@ from vllm_redeploy.launch.choose import (
     assumed,
     candidates,
     choose,
+    launch_fingerprint,
     plan_for,
     refusal,
 )
 from vllm_redeploy.launch.entrypoint import ImageEntrypoint
-from vllm_redeploy.launch.fingerprint import launch_fingerprint
 from vllm_redeploy.launch.group import (
     ENGINE_ROLE,
     LABEL_BACKEND,

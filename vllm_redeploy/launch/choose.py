@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.launch import mp, ray
 from vllm_redeploy.launch.entrypoint import ImageEntrypoint
-from vllm_redeploy.launch.fingerprint import launch_fingerprint
+from vllm_redeploy.launch.fingerprint import plan_fingerprint
 from vllm_redeploy.launch.group import NodeFabric
 from vllm_redeploy.launch.plan import LaunchPlan
 
@@ -83,6 +83,13 @@ def assumed(config: ClusterConfig) -> str:
     return ray.BACKEND if config.vllm.backend == AUTO else config.vllm.backend
 
 
+def launch_fingerprint(config: ClusterConfig, backend: str | None = None) -> str:
+    """The fingerprint a group of ``backend`` (default: :func:`assumed`) launched with these
+    settings carries: its own members' specs, from the settings alone."""
+    backend = backend or assumed(config)
+    return plan_fingerprint(config, BACKENDS[backend](config, None, ""))
+
+
 def plan_for(
     backend: str,
     config: ClusterConfig,
@@ -93,4 +100,4 @@ def plan_for(
     """The backend's plan for ``config`` and the image's ENTRYPOINT (kept when it runs its
     arguments), stamped with the launch fingerprint (which depends on the settings alone)."""
     built = BACKENDS[backend](config, fabric, why).for_image(entrypoint)
-    return built.stamped(launch_fingerprint(config))
+    return built.stamped(launch_fingerprint(config, backend))
