@@ -40,8 +40,12 @@ def prepare_temporary_home(home: Path) -> None:
 
 
 def run_s(config: Path, api_url: str | None, temporary_home: Path) -> float:
-    """`vllm-redeploy run` wall time; ``api_url`` None: Prefect's temporary API."""
+    """`vllm-redeploy run` wall time; ``api_url`` None: Prefect's temporary API
+    (``--temporary-api``)."""
     env = _env(PREFECT_HOME=str(temporary_home))
+    argv = [CLI, "run", "--config", str(config)]
     if api_url:
         env["PREFECT_API_URL"] = api_url
-    return _timed([CLI, "run", "--config", str(config)], env, 600)
+    else:
+        argv.append("--temporary-api")
+    return _timed(argv, env, 600)

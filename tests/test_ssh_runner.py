@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import shlex
 import threading
 import time
 import uuid
@@ -395,4 +396,21 @@ def test_a_killed_stream_is_stopped_on_the_node(
     wait_running(mark)
     time.sleep(0.3)
     proc.kill()
+    assert seconds_until_gone(mark) < GONE_WITHIN_S
+
+
+def test_a_group_number_that_went_to_another_process_is_left_alone(
+    login_runner: SSHRunner,
+) -> None:
+    """Process IDs wrap around (at 32768 by default): the number of a command's group that
+    ended may be a stranger's group by the time it is stopped. Its leader's start time tells
+    them apart, so only the group that was ours is signalled."""
+    _, mark = looping("login")
+    script = f"setsid sh -c {shlex.quote(LOOP)} {mark} >/dev/null 2>&1 & echo $!"
+    pid = int(login_runner.run(["sh", "-c", script], timeout=10).stdout)
+    wait_running(mark)
+    start = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[19]
+    login_runner._stop_groups([f"{pid}:{int(start) + 1}"])  # a group of that number, not it
+    assert pids_with_arg(mark), "a group that was not ours was stopped"
+    login_runner._stop_groups([f"{pid}:{start}"])
     assert seconds_until_gone(mark) < GONE_WITHIN_S

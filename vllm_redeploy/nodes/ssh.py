@@ -13,16 +13,19 @@ refuses all the same (a lower MaxSessions) is asked for again, never taken for a
 Closing a channel stops nothing on the node: sshd signals no command that runs without a pty (it
 only closes the command's pipes, and ``sleep`` or a hung tool never notices). So each command
 starts under a few lines of ``sh`` that first tell, on stderr, the process group sshd made for
-the session (that line is taken out of the command's stderr), then exec it; a command that timed
-out, was killed, or still runs when the runner closes is stopped by signalling that group over a
-channel of its own: TERM, then KILL after ``STOP_GRACE_S``. Through ``sudo -n`` too: sudo keeps
-the login's real uid, so the login may signal it, and it hands TERM on to what it runs as root.
+the session and its leader's start time (that line is taken out of the command's stderr), then
+exec it; a command that timed out, was killed, or still runs when the runner closes is stopped by
+signalling that group over a channel of its own: TERM, then KILL after ``STOP_GRACE_S``. Through
+``sudo -n`` too: sudo keeps the login's real uid, so the login may signal it, and it hands TERM on
+to what it runs as root. A group number whose leader now started at another time went to a
+newcomer once ours ended (process IDs wrap around, at 32768 by default): it is left alone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import select
 import shlex
 import socket
@@ -55,14 +58,22 @@ POLL_S = 0.5  # backstop for select(); data and channel close wake us at once
 MAX_CHANNELS = 8
 REFUSED_RETRY_S = 0.1  # how soon a channel the node refused is asked for again
 # $0 is the runner's mark, "$@" the command. sshd makes each session the leader of its own
-# session and process group: only such a group (group = session) is ever named.
+# session and process group: only such a group (group = session) is ever named, with its
+# leader's start time (/proc/PID/stat field 22, in clock ticks since boot) to tell it from a
+# later process that got the same number.
 LEAD = (
-    "{ read -r _ _ _ _ group session _ </proc/$$/stat; } 2>/dev/null"
-    ' && [ "$group" = "$session" ] && printf "%s %s\\n" "$0" "$group" >&2; exec "$@"'
+    'lead() { read -r line </proc/$$/stat || return; set -- ${line##*) }; [ "$3" = "$4" ] '
+    '|| return; g=$3; read -r line </proc/"$g"/stat || return; set -- ${line##*) }; '
+    'printf "%s %s:%s\\n" "$mark" "$g" "${20}" >&3; }; mark=$0; lead 3>&2 2>/dev/null; exec "$@"'
 )
 STOP_GRACE_S = 2.0  # after TERM, how long a command may take to end before KILL
 # TERM to each group ("$@"), KILL to those with a live process after the grace; a zombie is not
 # live (kill -0 counts it, and an orphan waits for a reaper that may be slow).
+# Each argument is GROUP:START. A group whose leader is alive with another start time is not
+# ours; one whose leader is gone keeps its number while any member lives (the kernel reuses no
+# number still naming a group), so its members are ours. TERM to ours, KILL to those with a
+# live process after the grace; a zombie is not live (kill -0 counts it, and an orphan waits
+# for a reaper that may be slow).
 STOP = f"""live() {{
   for stat in /proc/[0-9]*/stat; do
     read -r line <"$stat" || continue
@@ -71,9 +82,18 @@ STOP = f"""live() {{
   done 2>/dev/null
   return 1
 }}
-for g; do kill -TERM "-$g"; done 2>/dev/null
+ours=
+for pair; do
+  g=${{pair%%:*}}
+  if {{ read -r line </proc/"$g"/stat; }} 2>/dev/null; then
+    set -- ${{line##*) }}
+    [ "${{20}}" = "${{pair#*:}}" ] || continue
+  fi
+  ours="$ours $g"
+done
+for g in $ours; do kill -TERM "-$g"; done 2>/dev/null
 n=0
-for g; do
+for g in $ours; do
   want=$g
   while live; do
     [ "$n" -ge {int(STOP_GRACE_S * 10)} ] && {{ kill -KILL "-$g"; break; }} 2>/dev/null
@@ -83,6 +103,7 @@ for g; do
 done
 """
 STOP_TIMEOUT_S = STOP_GRACE_S + 10.0
+_GROUP_TOKEN = re.compile(rb"[0-9]+:[0-9]+")
 MARK_LINE_MAX = 4096  # stderr bytes held back while looking for the group's line
 
 
@@ -477,7 +498,7 @@ class SSHRunner(Runner):
         with self._running_lock:
             self._running.discard(group)
 
-    def _stop_groups(self, groups: list[int]) -> None:
+    def _stop_groups(self, groups: list[str]) -> None:
         """Stop what runs in these process groups on the node (STOP), over a channel outside
         the commands' places (a timed-out command's channel may have been the last free one).
         Best effort: a dead connection has nobody to tell, a node that refuses the channel
@@ -494,7 +515,7 @@ class SSHRunner(Runner):
             except (paramiko.SSHException, EOFError, OSError):
                 return
             try:
-                line = _command_line(("sh", "-c", STOP, "sh", *map(str, groups)), {})
+                line = _command_line(("sh", "-c", STOP, "sh", *groups), {})
                 self._exchange(
                     lease.channel, line, None, time.monotonic() + STOP_TIMEOUT_S, _ignore
                 )
@@ -513,7 +534,7 @@ class _GroupLine:
         self._feed = feed
         self._held = b""
         self._looking = True
-        self.group: int | None = None
+        self.group: str | None = None  # GROUP:START, as STOP takes it
 
     def __call__(self, stream: Stream, data: bytes) -> None:
         if stream == "stdout" or not self._looking:
@@ -523,8 +544,8 @@ class _GroupLine:
         while self._looking and b"\n" in self._held:
             line, _, self._held = self._held.partition(b"\n")
             number = line.removeprefix(self._prefix)
-            if number != line and number.isdigit():
-                self.group, self._looking = int(number), False
+            if number != line and _GROUP_TOKEN.fullmatch(number):
+                self.group, self._looking = number.decode(), False
             else:
                 self._feed("stderr", line + b"\n")
         if len(self._held) > MARK_LINE_MAX:
