@@ -34,7 +34,13 @@ BIN = Path(sys.executable).parent
 
 
 def api(url: str, method: str, path: str, body: Any = None) -> Any:
-    response = httpx.request(method, f"{url}{path}", json=body, timeout=30)
+    """One call to the Prefect API; a 503 (its database busy, under the suite's load) is asked
+    again, as Prefect's own client does."""
+    for attempt in range(5):
+        response = httpx.request(method, f"{url}{path}", json=body, timeout=30)
+        if response.status_code != 503 or attempt == 4:
+            break
+        time.sleep(1 + attempt)
     response.raise_for_status()
     return response.json() if response.content else None
 

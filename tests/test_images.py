@@ -30,7 +30,8 @@ from tests.testbed.bed import SERVED_NAME, TestBed
 from tests.testbed.procs import free_port
 from vllm_redeploy.config import ClusterConfig, load_config
 from vllm_redeploy.dry_run import plan_lines
-from vllm_redeploy.launch import ImageEntrypoint, fingerprint, launch_fingerprint, plan_for
+from vllm_redeploy.launch import ImageEntrypoint, launch_fingerprint, plan_for
+from vllm_redeploy.launch import ray as ray_backend
 from vllm_redeploy.launch.entrypoint import runs_arguments
 from vllm_redeploy.launch.group import container_argv, engine_container, split_argv
 from vllm_redeploy.launch.ray import (
@@ -97,15 +98,15 @@ def test_a_cluster_launched_without_entrypoint_is_not_taken_for_current(
     """The same words launched the old way (image's ENTRYPOINT in front) fingerprint otherwise:
     `ensure` redeploys a cluster started before explicit entrypoints."""
     config = example(tmp_path, interfaces_differ=False)
-    current = launch_fingerprint(config)
-    explicit = fingerprint.engine_spec
+    current = launch_fingerprint(config, "ray")
+    explicit = ray_backend.engine_spec
 
-    def old_shape(config: ClusterConfig) -> ContainerSpec:
-        spec = explicit(config)
+    def old_shape(config: ClusterConfig, *args: Any) -> ContainerSpec:
+        spec = explicit(config, *args)
         return replace(spec, entrypoint=None, command=container_argv(spec))
 
-    monkeypatch.setattr(fingerprint, "engine_spec", old_shape)
-    assert launch_fingerprint(config) != current
+    monkeypatch.setattr(ray_backend, "engine_spec", old_shape)
+    assert launch_fingerprint(config, "ray") != current
 
 
 @pytest.mark.parametrize(
