@@ -428,15 +428,18 @@ def test_ssh_connection_cut_mid_step_is_retried(fault_bed: TestBed, row: Row) ->
     worker, head = fault_bed.node(WORKER), fault_bed.node(HEAD)
     clock = StepClock()
     cuts: dict[str, float] = {}
-    # A GPU held for a moment keeps gpus-clear polling nvidia-smi: the cut lands while one runs.
+    # A GPU held for a moment keeps gpus-clear polling nvidia-smi, and each call takes a second
+    # (a busy driver): the cut lands while one runs, not between two.
     holder = worker.hold_gpu(1024, "python3")
 
     def cut_during_gpus_clear() -> None:
+        worker.nvidia_smi_answers_in(1.0)
         try:
             wait_for_command(worker, "nvidia_smi.py", 15)
             cuts["gpus-clear"] = time.monotonic()
             assert worker.sshd.drop_connections() >= 1
         finally:
+            worker.nvidia_smi_answers_in(0)
             holder.kill()
             holder.wait()
 

@@ -312,6 +312,14 @@ class EmulatedNode:
         path = self.root / "docker-units.json"
         return json.loads(path.read_text()) if path.exists() else {}
 
+    def nvidia_smi_answers_in(self, seconds: float) -> None:
+        """Each nvidia-smi call on this node takes ``seconds`` from now (0: at once)."""
+        config = gpu_state.read_config(self.gpu_dir)
+        config["answer_s"] = seconds
+        tmp = self.gpu_dir / "config.json.tmp"
+        tmp.write_text(json.dumps(config, indent=1))
+        tmp.replace(self.gpu_dir / "config.json")
+
     def hold_gpu(self, mib: int, name: str = "python3") -> subprocess.Popen[str]:
         """Start a stray process on this node that holds ``mib`` of GPU memory until killed (on
         GB10, of the node's memory)."""

@@ -6,7 +6,8 @@ Layout of a node's GPU state directory (``VRD_GPU_STATE``):
   static processes are always listed (e.g. Xorg on a GB10 desktop, type "G"). Optional keys,
   read by the nvidia-smi stand-in: ``"uuids"`` (one ``"GPU-..."`` per GPU, by index; derived
   from the directory when absent), ``"driver_version"`` and ``"cuda_version"`` (strings;
-  the profile's defaults when absent).
+  the profile's defaults when absent), ``"answer_s"`` (how long each call takes before it
+  answers, as a busy driver's does; 0 when absent).
 - ``procs/<token>.json``: one file per live process holding GPU memory:
   ``{"pid": int, "name": str, "used_mib": int, "type": "C" | "G", "gpu": int}``.
   The holder keeps the file open with an exclusive ``flock`` for as long as it lives. A reader

@@ -390,7 +390,9 @@ def run(argv: list[str]) -> str:
     if "help" in options:
         return "NVIDIA System Management Interface (test-bed stand-in).\n"
     try:
-        node = load_node(gpu_state.state_dir())
+        directory = gpu_state.state_dir()
+        node = load_node(directory)
+        time.sleep(float(gpu_state.read_config(directory).get("answer_s", 0)))
     except (RuntimeError, OSError, ValueError) as exc:
         raise UsageError(NO_DRIVER, 9) from exc
     if "version" in options:
