@@ -115,6 +115,28 @@ def not_sshd() -> Iterator[tuple[str, int]]:
     server.close()
 
 
+def one_node_toml(
+    name: str, host: str, port: int, known_hosts: Path, key_file: Path | str | None = None
+) -> str:
+    """A cluster of one node at ``host:port`` that gives up on it within a second or so."""
+    key = f'ssh_key_file = "{key_file}"\n' if key_file is not None else ""
+    return f"""
+name = "{name}"
+[[nodes]]
+name = "node-1"
+address = "{host}"
+ssh_port = {port}
+{key}[ssh]
+known_hosts = "{known_hosts}"
+connect_timeout_s = 3
+[deadlines]
+nodes_reachable_s = 1
+[vllm]
+image = "vrd-test/busybox:1"
+model = "/models/m"
+"""
+
+
 @pytest.mark.parametrize(
     "command",
     [["nodes"], ["run", "--dry-run"], ["status"], ["run", "--temporary-api"]],
@@ -125,22 +147,7 @@ def test_a_port_that_is_not_sshd_gives_one_line_and_no_traceback(
 ) -> None:
     host, port = not_sshd
     path = tmp_path / "cluster.toml"
-    path.write_text(f"""
-name = "bed"
-[[nodes]]
-name = "node-1"
-address = "{host}"
-ssh_port = {port}
-ssh_key_file = "{client_key}"
-[ssh]
-known_hosts = "{tmp_path / "known_hosts"}"
-connect_timeout_s = 3
-[deadlines]
-nodes_reachable_s = 1
-[vllm]
-image = "vrd-test/busybox:1"
-model = "/models/m"
-""")
+    path.write_text(one_node_toml("bed", host, port, tmp_path / "known_hosts", client_key))
     environ = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     result = subprocess.run(
         [str(Path(sys.executable).parent / "vllm-redeploy"), *command, "-c", str(path)],

@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from deployments.install_controller import PREFECT_UNIT, SOURCE_DIR, cluster_units
+from tests.test_cli_nodes import one_node_toml
 from tests.testbed.bed import bed_ip
 from tests.testbed.procs import free_port, spawn, stop, wait_until
 from vllm_redeploy import controller_api
@@ -174,21 +175,7 @@ def cluster(tmp_path: Path, node: Node) -> Cluster:
     name = f"ctl{uuid.uuid4().hex[:8]}"
     path = tmp_path / "conf" / f"{name}.toml"
     path.parent.mkdir()
-    path.write_text(f"""
-name = "{name}"
-[[nodes]]
-name = "node-1"
-address = "{node.host}"
-ssh_port = {node.port}
-[ssh]
-known_hosts = "{tmp_path / "known_hosts"}"
-connect_timeout_s = 3
-[deadlines]
-nodes_reachable_s = 1
-[vllm]
-image = "vrd-test/busybox:1"
-model = "/models/m"
-""")
+    path.write_text(one_node_toml(name, node.host, node.port, tmp_path / "known_hosts"))
     for d in ("home", "prefect-home", "units"):
         (tmp_path / d).mkdir()
     env = {
