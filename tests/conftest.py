@@ -7,6 +7,7 @@ state make their own containers and clean them up.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import sys
@@ -45,8 +46,30 @@ def _need(program: str) -> None:
 FIRST = ("test_real_vllm.py", "test_vllm_differential.py")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+# What each collected test is marked and which fixtures it uses, before `-m` deselects any:
+# tests/test_suite_marks.py reads it.
+MARK_AUDIT = pytest.StashKey[list[dict[str, Any]]]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.path.name not in FIRST)  # stable: the rest keep their order
+    config.stash[MARK_AUDIT] = [
+        {
+            "nodeid": item.nodeid,
+            "module": item.path.name,
+            "function": getattr(item, "originalname", item.name),
+            "integration": item.get_closest_marker("integration") is not None,
+            "fixtures": sorted(getattr(item, "fixturenames", ())),
+        }
+        for item in items
+    ]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """With VRD_MARK_AUDIT=FILE: the audit above, as JSON (a collection of its own)."""
+    if target := os.environ.get("VRD_MARK_AUDIT"):
+        Path(target).write_text(json.dumps(session.config.stash[MARK_AUDIT]))
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -252,6 +252,7 @@ def readme_automation() -> dict[str, Any]:
     return yaml.safe_load(block[: block.index("```")])
 
 
+@pytest.mark.integration
 def test_readme_automation_notifies_when_a_run_fails(
     prefect_api: str, receiver: Receiver, tmp_path: Path
 ) -> None:
