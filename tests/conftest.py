@@ -201,12 +201,16 @@ def keep_for_notes(name: str, text: str) -> None:
     (OUTPUT / f"{name}.md").write_text(text)
 
 
-def make_bed(nodes: int, gpu: str, first_ip: int, **options: Any) -> TestBed:
-    """A bed of ``nodes`` at NET.<first_ip>...; ``options`` go to TestBed.up (image, rdma)."""
+def make_bed(nodes: int, gpu: str, first_ip: int, backend: str = "mp", **options: Any) -> TestBed:
+    """A bed of ``nodes`` at NET.<first_ip>...; ``options`` go to TestBed.up (image, rdma).
+
+    Its runs take vLLM's own launcher unless a test asks for ``backend="ray"`` (what it asserts
+    names Ray) or ``"auto"`` (the choice itself): Ray costs ~12 s more per run and keeps two
+    cores busy while idle, which every row that does not test Ray would pay for nothing."""
     _need("dockerd")
     _need("/usr/sbin/sshd")
     root = Path(tempfile.mkdtemp(prefix="vrd-bed-", dir="/tmp"))
-    bed = TestBed.up(nodes, gpu, root, first_ip=first_ip, **options)
+    bed = TestBed.up(nodes, gpu, root, first_ip=first_ip, backend=backend, **options)
     claim(root)
     return bed
 

@@ -58,6 +58,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 FIRST_IP = 201  # this module's addresses: 127.0.0.201 (head) and .202 (worker)
 HEAD, WORKER = "node-1", "node-2"
 FAST = {"VRD_LOAD_SECONDS": "1"}
+# The bed runs vLLM's own launcher (tests/conftest.py make_bed); the rows whose fault or finding
+# is Ray's (its container, its port, its orphans) run on Ray.
+RAY = {"backend": "ray"}
 RESULTS = Path(__file__).resolve().parent / "output" / "fault_matrix.md"
 CANARY = "canary"
 REPO = Path(__file__).resolve().parent.parent
@@ -269,8 +272,8 @@ def write_config(bed: TestBed, **changes: Any) -> Path:
     return bed.write_config(bed.root / "run.toml", vllm=vllm, **changes)
 
 
-def bed_config(bed: TestBed) -> ClusterConfig:
-    return load_config(write_config(bed), env_file=None)
+def bed_config(bed: TestBed, **changes: Any) -> ClusterConfig:
+    return load_config(write_config(bed, **changes), env_file=None)
 
 
 def run_flow(
@@ -312,9 +315,9 @@ def remove_ours(bed: TestBed) -> None:
                 container.remove(force=True)
 
 
-def make_served(bed: TestBed) -> None:
+def make_served(bed: TestBed, **changes: Any) -> None:
     """Precondition of some rows: the group runs and serves (ensure: a no-op when it does)."""
-    outcome = run_flow(bed, "ensure")
+    outcome = run_flow(bed, "ensure", **changes)
     assert outcome.state.is_completed(), outcome.message
     assert served(bed)
 
@@ -475,11 +478,11 @@ def test_ssh_connection_cut_mid_step_is_retried(fault_bed: TestBed, row: Row) ->
 
 def test_worker_dies_after_the_model_was_served(fault_bed: TestBed, row: Row) -> None:
     row.fault = "worker's Ray container dies after the model was served; then `ensure`"
-    make_served(fault_bed)
+    make_served(fault_bed, vllm=RAY)
     with contextlib.closing(fault_bed.node(WORKER).engine.client()) as client:
-        client.containers.get(ray_container(bed_config(fault_bed))).kill()
+        client.containers.get(ray_container(bed_config(fault_bed, vllm=RAY))).kill()
     died = time.monotonic()
-    outcome = run_flow(fault_bed, "ensure")
+    outcome = run_flow(fault_bed, "ensure", vllm=RAY)
     result = outcome.result
     assert result["action"] == "redeployed"
     [note] = [n for n in result["notes"] if n.startswith("redeploying: ")]
@@ -509,7 +512,7 @@ def test_docker_engine_restarted_during_load(fault_bed: TestBed, row: Row) -> No
         worker.restart_docker()
 
     clock.on_start("wait-ready", restart)
-    outcome = run_flow(fault_bed, clock=clock, vllm={"env": {"VRD_LOAD_SECONDS": "90"}})
+    outcome = run_flow(fault_bed, clock=clock, vllm={**RAY, "env": {"VRD_LOAD_SECONDS": "90"}})
     message = outcome.message
     assert message.startswith(f"wait-ready: the Ray container on {WORKER} exited with code")
     assert "Docker engine may have restarted" in message
@@ -543,7 +546,8 @@ def test_stray_process_holding_a_gpu(fault_bed: TestBed, row: Row) -> None:
 
 @pytest.mark.parametrize("which", ["api", "ray"])
 def test_stray_listener_on_a_port(fault_bed: TestBed, row: Row, which: str) -> None:
-    config = bed_config(fault_bed)
+    backend = RAY if which == "ray" else {}
+    config = bed_config(fault_bed, vllm=backend)
     port = config.vllm.port if which == "api" else config.ray.port
     label = "API port" if which == "api" else "Ray port"
     row.fault = f"stray listener on the {label} ({port}) of {HEAD}"
@@ -552,7 +556,7 @@ def test_stray_listener_on_a_port(fault_bed: TestBed, row: Row, which: str) -> N
         stray.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         stray.bind((fault_bed.node(HEAD).ip, port))
         stray.listen()
-        outcome = run_flow(fault_bed, deadlines={"gpu_release_s": 3})
+        outcome = run_flow(fault_bed, deadlines={"gpu_release_s": 3}, vllm=backend)
     message = outcome.message
     assert message.startswith("ports-free: ")
     assert f"{HEAD}: the {label} {port} is in use by a process that is not ours" in message
@@ -587,13 +591,13 @@ def test_a_firewall_that_opens_only_the_named_ports(fault_bed: TestBed, row: Row
         f"a firewall drops new TCP to {WORKER}'s fabric IP on the ephemeral ports (the named "
         "ports open, as a firewall opened for the master port only)"
     )
-    make_served(fault_bed)
+    make_served(fault_bed, vllm=RAY)
     before = {n.name: ours(n) for n in fault_bed.nodes}
     rule = ["OUTPUT", "-p", "tcp", "-d", worker, "--dport", "32768:60999",
             "-m", "conntrack", "--ctstate", "NEW", "-j", "DROP"]  # fmt: skip
     subprocess.run(["iptables", "-I", *rule], check=True, capture_output=True)
     try:
-        outcome = run_flow(fault_bed)
+        outcome = run_flow(fault_bed, vllm=RAY)
     finally:
         subprocess.run(["iptables", "-D", *rule], check=False, capture_output=True)
     message = outcome.message
@@ -645,7 +649,8 @@ def test_engine_killed_during_load(fault_bed: TestBed, row: Row) -> None:
     events = fault_bed.observed / "engine-events.jsonl"
     events.unlink(missing_ok=True)
     env = {"VRD_FAULT": "crash_during_load", "VRD_LOAD_SECONDS": "2", "VRD_EVENT_LOG": str(events)}
-    outcome = run_flow(fault_bed, vllm={"env": env})
+    # On Ray: what it names is Ray's engine (an mp leader is named as the leader, rank 0).
+    outcome = run_flow(fault_bed, vllm={**RAY, "env": env})
     message = outcome.message
     assert message.startswith("wait-ready: ")
     assert f"the vLLM engine on {HEAD} exited with code 137" in message
@@ -750,7 +755,7 @@ def test_controller_killed_mid_run_next_run_recovers(
     fault_bed: TestBed, row: Row, prefect_api: str
 ) -> None:
     row.fault = "the controller SIGKILLed during the load; then the next run"
-    path = write_config(fault_bed, vllm={"env": {"VRD_LOAD_SECONDS": "60"}})
+    path = write_config(fault_bed, vllm={**RAY, "env": {"VRD_LOAD_SECONDS": "60"}})
     config = load_config(path, env_file=None)
     head = fault_bed.node(HEAD)
     log = fault_bed.root / "controller.log"
@@ -780,7 +785,7 @@ def test_controller_killed_mid_run_next_run_recovers(
             controller.wait()
     orphans = {n.name: ours(n) for n in fault_bed.nodes}
     assert orphans[HEAD] == [("engine", "running"), ("ray", "running")], orphans
-    outcome = run_flow(fault_bed)
+    outcome = run_flow(fault_bed, vllm=RAY)
     result = outcome.result
     assert result["probe"]["healthy"] and served(fault_bed)
     # It waited until the dead run's lease ran out (renewed every 45 s: 15-60 s left, plus the

@@ -41,7 +41,8 @@ FAST = {"VRD_LOAD_SECONDS": "2"}
 
 @pytest.fixture(scope="module")
 def mp_bed(prefect_api: str) -> Iterator[TestBed]:
-    bed = make_bed(4, "h200", first_ip=61, vllm_image=image.NO_RAY_IMAGE)
+    # `auto`, the product's default: these rows check what it chooses from the image.
+    bed = make_bed(4, "h200", first_ip=61, vllm_image=image.NO_RAY_IMAGE, backend="auto")
     yield bed
     bed.down()
 

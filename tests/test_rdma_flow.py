@@ -34,7 +34,7 @@ MEMLOCK = -1 if _HARD == resource.RLIM_INFINITY else _HARD
 
 @pytest.fixture(scope="module")
 def spark_bed(prefect_api: str) -> Iterator[TestBed]:
-    bed = make_bed(3, "gb10", first_ip=181, rdma=RDMA)
+    bed = make_bed(3, "gb10", first_ip=181, rdma=RDMA, backend="ray")  # Ray's containers' devices
     yield bed
     bed.down()
 

@@ -102,7 +102,7 @@ class Controller:
 
 @pytest.fixture(scope="module")
 def controller(prefect_api: str) -> Iterator[Controller]:
-    bed = make_bed(2, "h200", first_ip=71)
+    bed = make_bed(2, "h200", first_ip=71, backend="ray")  # a row loses a Ray container
     ctl = Controller(bed, bed.root / "watched.toml", f"kept{uuid.uuid4().hex[:6]}", prefect_api, {})
     ctl.write()
     try:

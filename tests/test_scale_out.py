@@ -169,7 +169,10 @@ def platform(request: pytest.FixtureRequest) -> Iterator[Platform]:
         postgres.start()
         server, url = start_server(root, postgres.url)
         with ThreadPoolExecutor(max_workers=2) as pool:  # while the server migrates its schema
-            beds = list(pool.map(lambda ip: make_bed(2, "h200", first_ip=ip), (211, 215)))
+            # On Ray: a replaced group is checked container by container, Ray's among them.
+            beds = list(
+                pool.map(lambda ip: make_bed(2, "h200", first_ip=ip, backend="ray"), (211, 215))
+            )
         wait_until(lambda: healthy(url), 120, "prefect server on PostgreSQL", root / "server.log")
         platform = Platform(url, root, clusters(root, beds), server, postgres)
         prefect(platform, "work-pool", "create", POOL, "--type", "process")

@@ -44,7 +44,7 @@ ANSI = re.compile(r"\x1b\[")
 @pytest.fixture(scope="module")
 def deployed(prefect_api: str) -> Iterator[tuple[TestBed, Path]]:
     """A bed with the deployment running, brought up by one real flow run."""
-    bed = make_bed(2, "h200", first_ip=91)
+    bed = make_bed(2, "h200", first_ip=91, backend="ray")  # status reports Ray's members
     try:
         path = bed.write_config(bed.root / "run.toml", vllm={"env": {"VRD_LOAD_SECONDS": "1"}})
         state = redeploy_vllm_cluster(str(path), "redeploy", return_state=True)

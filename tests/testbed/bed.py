@@ -60,6 +60,7 @@ def master_port(ip: str) -> int:
 
 
 MAX_NODES = 8
+BACKENDS = ("auto", "mp", "ray")
 SERVED_NAME = "Qwen3.5-122B-A10B-FP8"
 REPO_ID = f"Qwen/{SERVED_NAME}"
 MODEL_CONFIG = b'{"architectures": ["Qwen3_5MoeForCausalLM"]}\n'
@@ -78,6 +79,9 @@ class TestBed:
     nodes: list[EmulatedNode] = field(default_factory=list)
     bring_up_s: float = 0.0
     vllm_image: str = image.BED_IMAGE  # the image cluster.toml names (all of BED_IMAGES are loaded)
+    # [vllm] backend in cluster.toml: "auto" (the product's default, left out of the file), "mp"
+    # or "ray". The bed's images carry Ray, so "auto" takes Ray.
+    backend: str = "auto"
 
     @property
     def client_key(self) -> Path:
@@ -141,6 +145,7 @@ class TestBed:
         rdma: Mapping[str, str] | None = None,
         docker29: Sequence[str] = (),
         sudo: Mapping[str, str] | None = None,
+        backend: str = "auto",
     ) -> TestBed:
         """Bring up ``nodes`` nodes at NET.<first_ip>, <first_ip + 1>, ...; beds at other
         addresses can run side by side (Ray and the API bind the nodes' own addresses).
@@ -148,7 +153,10 @@ class TestBed:
         ``docker29``: the nodes whose engine answers as Docker 29 (tests.testbed.docker29), as
         in a cluster upgraded in part. ``sudo``: node name -> what its login ``nvidia`` may do
         with `sudo -n` (tests.testbed.users): by default all on node-1, on the others only
-        stopping and disabling the old stack's unit."""
+        stopping and disabling the old stack's unit. ``backend``: [vllm] backend in the
+        cluster.toml it writes."""
+        if backend not in BACKENDS:
+            raise ValueError(f"backend {backend!r}: one of {', '.join(BACKENDS)}")
         if not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"--nodes must be 1..{MAX_NODES}, got {nodes}")
         rdma = dict(rdma or {})
@@ -172,7 +180,7 @@ class TestBed:
         for shared in EMULATED:
             (root / shared).mkdir()
         sudo = {"node-1": "all", **(sudo or {})}
-        bed = cls(root=root, gpu=gpu, vllm_image=vllm_image)
+        bed = cls(root=root, gpu=gpu, vllm_image=vllm_image, backend=backend)
         keygen(bed.client_key)
         hf_cache.write_snapshot(bed.hub, REPO_ID, {"config.json": MODEL_CONFIG})
         if vllm_image in real_vllm.IMAGES:
@@ -273,6 +281,7 @@ class TestBed:
         data = {
             "gpu": self.gpu,
             "image": self.vllm_image,
+            "backend": self.backend,
             "nodes": [n.record() for n in self.nodes],
         }
         (self.root / "bed.json").write_text(json.dumps(data, indent=1))
@@ -285,7 +294,11 @@ class TestBed:
         data = json.loads(path.read_text())
         nodes = [EmulatedNode(NodeSpec(**spec)) for spec in data["nodes"]]
         return cls(
-            root=root, gpu=data["gpu"], nodes=nodes, vllm_image=data.get("image", image.BED_IMAGE)
+            root=root,
+            gpu=data["gpu"],
+            nodes=nodes,
+            vllm_image=data.get("image", image.BED_IMAGE),
+            backend=data.get("backend", "auto"),
         )
 
     def settings(self) -> dict[str, Any]:
@@ -318,6 +331,7 @@ class TestBed:
                 "port": API_PORT,
                 "host": self.nodes[0].ip,  # beds at other addresses can serve side by side
                 "tensor_parallel_size": len(self.nodes),
+                **({"backend": self.backend} if self.backend != "auto" else {}),
                 "master_port": master_port(self.nodes[0].ip),
                 "reasoning_parser": "qwen3",
                 "gpu_device_request": False,  # no GPUs here: the stand-ins emulate them
