@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -70,6 +71,21 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """With VRD_MARK_AUDIT=FILE: the audit above, as JSON (a collection of its own)."""
     if target := os.environ.get("VRD_MARK_AUDIT"):
         Path(target).write_text(json.dumps(session.config.stash[MARK_AUDIT]))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Prefect sets its console handler up on first use, on the sys.stderr of that moment: in a
+    test session, pytest's capture, whose file is closed after this hook. What Prefect logs at
+    interpreter exit (a worker's last try to send to a server that has stopped) then ended the
+    run's output with "--- Logging error --- ... I/O operation on closed file". Those handlers
+    write to the real stderr from here on."""
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in getattr(logger, "handlers", []):
+            stream = getattr(handler, "stream", None)
+            if type(stream).__module__ == "_pytest.capture":
+                handler.setStream(sys.__stderr__)  # type: ignore[attr-defined]
+                if console := getattr(handler, "console", None):  # Prefect's: a rich Console
+                    console.file = sys.__stderr__
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
