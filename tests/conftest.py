@@ -217,6 +217,10 @@ def keep_for_notes(name: str, text: str) -> None:
     (OUTPUT / f"{name}.md").write_text(text)
 
 
+# A run's [vllm] changes that put it on Ray, for a row on an mp bed whose assertions name Ray.
+RAY = {"backend": "ray"}
+
+
 def make_bed(nodes: int, gpu: str, first_ip: int, backend: str = "mp", **options: Any) -> TestBed:
     """A bed of ``nodes`` at NET.<first_ip>...; ``options`` go to TestBed.up (image, rdma).
 

@@ -24,7 +24,7 @@ import pytest
 
 import tasks.launch
 from flows.redeploy import redeploy_vllm_cluster
-from tests.conftest import make_bed
+from tests.conftest import RAY, make_bed
 from tests.test_deployments import api, deployments_by_name
 from tests.testbed.bed import TestBed
 from tests.testbed.procs import spawn, stop, wait_until
@@ -36,7 +36,6 @@ from vllm_redeploy.nodes.containers import LABEL_MANAGED, cluster_labels
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 BIN = Path(sys.executable).parent
 FAST = {"VRD_LOAD_SECONDS": "1"}
-RAY = "ray"  # the bed runs vLLM's own launcher; the rows that name Ray's step or container ask
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +235,7 @@ def test_a_killed_holder_frees_the_cluster_after_its_lease(
     path = lock_bed.write_config(
         lock_bed.root / "killed.toml",
         name=cluster,
-        vllm={"env": {"VRD_LOAD_SECONDS": "120"}, "backend": RAY},  # it waits for Ray's step
+        vllm={"env": {"VRD_LOAD_SECONDS": "120"}, **RAY},  # it waits for Ray's step
         lock={"lease_s": lease_s, "wait_s": 600},
     )
     log = lock_bed.root / "killed.log"
@@ -256,7 +255,7 @@ def test_a_killed_holder_frees_the_cluster_after_its_lease(
     again = lock_bed.write_config(
         lock_bed.root / "again.toml",
         name=cluster,
-        vllm={"env": FAST, "backend": RAY},
+        vllm={"env": FAST, **RAY},
         lock={"lease_s": lease_s, "wait_s": 600},
     )
     state = redeploy_vllm_cluster(str(again), "redeploy", return_state=True)
@@ -284,7 +283,7 @@ def test_a_cluster_name_with_capitals_underscores_and_dots_runs(
 ) -> None:
     cluster = "Bed_A.v2"
     path = lock_bed.write_config(
-        lock_bed.root / "named.toml", name=cluster, vllm={"env": FAST, "backend": RAY}
+        lock_bed.root / "named.toml", name=cluster, vllm={"env": FAST, **RAY}
     )
     state = redeploy_vllm_cluster(str(path), "redeploy", return_state=True)
     assert state.is_completed(), state.result(raise_on_failure=False)
@@ -312,7 +311,7 @@ def test_an_unexpected_exception_ends_like_any_failure(
     summary, emits vllm.cluster.failed, and removes the half-started group."""
     cluster = f"bug{uuid.uuid4().hex[:6]}"
     path = lock_bed.write_config(
-        lock_bed.root / "bug.toml", name=cluster, vllm={"env": FAST, "backend": RAY}
+        lock_bed.root / "bug.toml", name=cluster, vllm={"env": FAST, **RAY}
     )
 
     def broken(*args: Any, **kwargs: Any) -> str:
@@ -402,7 +401,7 @@ def test_a_gpu_check_that_cannot_run_fails_the_step(prefect_api: str, lock_bed: 
 def test_the_status_and_ensure_agree(prefect_api: str, lock_bed: TestBed) -> None:
     """One judgement: after the worker's Ray container dies, `status` names it and `ensure`
     redeploys for the same reason."""
-    path = lock_bed.write_config(lock_bed.root / "agree.toml", vllm={"env": FAST, "backend": RAY})
+    path = lock_bed.write_config(lock_bed.root / "agree.toml", vllm={"env": FAST, **RAY})
     assert redeploy_vllm_cluster(str(path), "redeploy", return_state=True).is_completed()
     config = load_config(path, env_file=None)
     with NodeAccess(config.nodes[1], config) as worker:

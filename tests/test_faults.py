@@ -40,7 +40,7 @@ from prefect.client.schemas.objects import StateType
 from flows.redeploy import redeploy_vllm_cluster
 from tasks.context import Run
 from tasks.fabric_reach import pick_port, reach_on
-from tests.conftest import make_bed
+from tests.conftest import RAY, make_bed
 from tests.testbed import image
 from tests.testbed.bed import SERVED_NAME, TestBed, bed_ip
 from tests.testbed.node import EmulatedNode
@@ -58,9 +58,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 FIRST_IP = 201  # this module's addresses: 127.0.0.201 (head) and .202 (worker)
 HEAD, WORKER = "node-1", "node-2"
 FAST = {"VRD_LOAD_SECONDS": "1"}
-# The bed runs vLLM's own launcher (tests/conftest.py make_bed); the rows whose fault or finding
-# is Ray's (its container, its port, its orphans) run on Ray.
-RAY = {"backend": "ray"}
 RESULTS = Path(__file__).resolve().parent / "output" / "fault_matrix.md"
 CANARY = "canary"
 REPO = Path(__file__).resolve().parent.parent

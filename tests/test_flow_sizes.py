@@ -1,9 +1,9 @@
 """The redeploy flow on beds of other kinds and sizes: GB10 nodes, and 8 nodes as a real cluster
 mid-upgrade would be.
 
-A module of its own: the 8 nodes' Ray starts get the worker's cores to themselves, not shared with
-an idle group that a module-wide bed keeps serving (each Ray node must register within Ray's own
-30 s, which 8 nodes starting on 2 cores beside a serving bed once missed)."""
+A module of its own, so the 8 Ray nodes do not start beside a group that a module-wide bed keeps
+serving on the same 2 cores: each Ray node must register within Ray's own 30 s, and this row once
+timed out starting a Ray worker under load."""
 
 from __future__ import annotations
 
