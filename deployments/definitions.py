@@ -112,7 +112,7 @@ def serve_deployments(clusters: list[tuple[ClusterConfig, Path]]) -> None:
     nightly run."""
     from prefect import serve
 
-    from deployments.zombies import enable_heartbeats, ensure_zombie_automation
+    from deployments.zombies import SILENCE_S, enable_heartbeats, ensure_zombie_automation
     from flows.redeploy import redeploy_vllm_cluster
     from tasks.standing.lock import ensure_cluster_lock
 
@@ -120,7 +120,7 @@ def serve_deployments(clusters: list[tuple[ClusterConfig, Path]]) -> None:
     # deployments name them, whatever VLLM_REDEPLOY_CONFIG said before.
     os.environ[CONFIG_VARIABLE] = os.pathsep.join(str(path.resolve()) for _, path in clusters)
     enable_heartbeats()
-    ensure_zombie_automation()
+    ensure_zombie_automation(max([SILENCE_S, *(config.lock.lease_s for config, _ in clusters)]))
     for config, _ in clusters:
         ensure_cluster_lock(config.name)  # every run of the cluster takes it, from any deployment
 

@@ -52,11 +52,21 @@ def zombie_automation(name: str = AUTOMATION_NAME, silence_s: float = SILENCE_S)
     )
 
 
-def ensure_zombie_automation() -> bool:
-    """Create the automation unless one of that name exists; True when it was created."""
+def ensure_zombie_automation(silence_s: float = SILENCE_S) -> bool:
+    """Create the automation unless one of that name exists, or lengthen its silence to
+    ``silence_s``; True when it was created. ``serve`` passes the longest ``[lock] lease_s`` of
+    its clusters: heartbeats held back by a Prefect outage (or a stalled controller) arrive late,
+    and a run marked Crashed meanwhile still runs. The cluster's lock never takes the cluster
+    from such a run while it beats (tasks/standing/lock.py); the automation, which cannot read
+    that beat, stays quiet at least as long, so the UI does not call a live run dead."""
     try:
-        Automation.read(name=AUTOMATION_NAME)
-        return False
+        automation = Automation.read(name=AUTOMATION_NAME)
     except ValueError:
-        zombie_automation().create()
+        zombie_automation(silence_s=silence_s).create()
         return True
+    trigger = automation.trigger
+    if isinstance(trigger, EventTrigger) and trigger.within.total_seconds() < silence_s:
+        wanted = zombie_automation(silence_s=silence_s)
+        automation.trigger, automation.actions = wanted.trigger, wanted.actions
+        automation.update()
+    return False

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
@@ -129,3 +129,41 @@ def test_a_run_that_lost_the_cluster_stops_before_changing_the_nodes(
     assert raised.value.step == "cluster-lock"
     record = Record.read(cluster)
     assert record is not None and record.flow_run_name == "thief"  # not overwritten on release
+
+
+def run_logs(flow_run_id: str) -> list[str]:
+    with get_client(sync_client=True) as client:
+        body = {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200}
+        return [x["message"] for x in client.request("POST", "/logs/filter", json=body).json()]
+
+
+def test_a_holder_marked_crashed_that_still_beats_is_waited_for(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """Prefect marks a run Crashed when its heartbeats stop reaching the server (an outage, a
+    stalled controller); its process may still hold the cluster and beat the lock's record."""
+    cluster = f"crashed{uuid.uuid4().hex[:6]}"
+    ensure_cluster_lock(cluster)
+    Record(a_flow_run("CRASHED"), "stalled-run", since=_now(), beat=_now()).write(cluster)
+    path = str(cluster_file(tmp_path, cluster, wait_s=6))
+    assert holder(load_config(path, env_file=None)) is not None  # the watcher: busy
+    state = take_the_cluster(path, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(StepFailed, match=r"held the cluster .*flow run stalled-run"):
+        state.result()
+    said = "is marked Crashed in Prefect, but it beat the cluster's lock"
+    deadline = time.monotonic() + 15  # the run's logs reach the server in batches
+    while not any(said in m for m in run_logs(str(state.state_details.flow_run_id))):
+        assert time.monotonic() < deadline, "the waiting run did not say why it waits"
+        time.sleep(0.5)
+
+
+def test_a_crashed_holder_whose_beat_is_older_than_the_lease_is_gone(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    cluster = f"dead{uuid.uuid4().hex[:6]}"
+    slot_without_lease(cluster)
+    beat = (datetime.now(UTC) - timedelta(seconds=75)).isoformat(timespec="seconds")  # lease 60
+    Record(a_flow_run("CRASHED"), "dead-run", since=beat, beat=beat).write(cluster)
+    waited = take_the_cluster(str(cluster_file(tmp_path, cluster)))
+    assert waited < 5, waited

@@ -14,7 +14,12 @@ from prefect.client.orchestration import get_client
 from prefect.events import emit_event
 from prefect.states import Running
 
-from deployments.zombies import AUTOMATION_NAME, ensure_zombie_automation, zombie_automation
+from deployments.zombies import (
+    AUTOMATION_NAME,
+    SILENCE_S,
+    ensure_zombie_automation,
+    zombie_automation,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -31,6 +36,23 @@ def test_serve_installs_the_automation_once(prefect_api: str) -> None:
     assert created == [True, False]
     automation = Automation.read(name=AUTOMATION_NAME)
     assert automation.actions[0].state.value == "CRASHED"
+    assert automation.trigger.within.total_seconds() == SILENCE_S
+
+
+def test_serve_keeps_it_quiet_as_long_as_the_longest_lease(prefect_api: str) -> None:
+    """A live run's heartbeats held back longer than its cluster's lease_s: it is the lock's
+    to judge (by its beat), and the automation does not call the run dead before it could."""
+    ensure_zombie_automation()
+    try:
+        assert ensure_zombie_automation(300) is False
+        automation = Automation.read(name=AUTOMATION_NAME)
+        assert automation.trigger.within.total_seconds() == 300
+        assert "no heartbeat for 300 s" in (automation.actions[0].message or "")
+        ensure_zombie_automation()  # another serve, with the default lease: never shortened
+        assert Automation.read(name=AUTOMATION_NAME).trigger.within.total_seconds() == 300
+    finally:  # the other tests of this server expect the default
+        Automation.read(name=AUTOMATION_NAME).delete()
+        ensure_zombie_automation()
 
 
 def test_a_run_whose_heartbeats_stop_is_marked_crashed(prefect_api: str) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import threading
 import time
 import uuid
@@ -39,8 +40,9 @@ from prefect.client.schemas.actions import (
     GlobalConcurrencyLimitCreate,
     GlobalConcurrencyLimitUpdate,
 )
-from prefect.client.schemas.objects import TERMINAL_STATES, ConcurrencyLeaseHolder
-from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+from prefect.client.schemas.objects import TERMINAL_STATES, ConcurrencyLeaseHolder, StateType
+from prefect.exceptions import MissingContextError, ObjectAlreadyExists, ObjectNotFound
+from prefect.logging import get_logger
 from prefect.variables import Variable
 
 from tasks.context import StepFailed, log
@@ -117,7 +119,7 @@ def holder(config: ClusterConfig) -> Record | None:
     if record is None or record.released or record.age_s() >= _stale_after(config.lock.lease_s):
         return None
     with get_client(sync_client=True) as client:
-        return None if _finished(client, record.flow_run_id) else record
+        return None if _finished(client, record, config.lock.lease_s) else record
 
 
 class Hold:
@@ -285,18 +287,36 @@ def _gone(
         return True
     if time.monotonic() - first_seen >= lease_s or record.age_s() >= _stale_after(lease_s):
         return True  # no beat for lease_s: its controller is gone
-    return _finished(client, record.flow_run_id)
+    return _finished(client, record, lease_s)
 
 
 def _stale_after(lease_s: float) -> float:
     return lease_s + CLOCK_SLACK_S
 
 
-def _finished(client: SyncPrefectClient, flow_run_id: str) -> bool:
+_said_alive: set[tuple[str, str]] = set()  # (flow run, run that waits): said once each
+
+
+def _finished(client: SyncPrefectClient, record: Record, lease_s: float) -> bool:
+    """Has the holder's flow run ended? Crashed with a fresh beat has not: Prefect marks a run
+    Crashed when its heartbeats stop reaching the server (the server away, the controller
+    stalled), while its process may still hold the cluster; only its own beat says it is gone.
+    Prefect lets such a run leave Crashed for Completed when it ends."""
     try:
-        run = client.read_flow_run(UUID(flow_run_id))
+        run = client.read_flow_run(UUID(record.flow_run_id))
     except (ObjectNotFound, ValueError):
         return True
+    if run.state_type == StateType.CRASHED and record.age_s() < lease_s:
+        said = (record.flow_run_id, str(runtime.flow_run.id))
+        if said not in _said_alive:
+            _said_alive.add(said)
+            _logger().info(
+                "the cluster's holder%s is marked Crashed in Prefect, but it beat the cluster's "
+                "lock %.0f s ago (a holder is gone after [lock] lease_s = %g s without a beat): "
+                "its controller still runs it, so this run waits",
+                record.described(), max(record.age_s(), 0.0), lease_s,
+            )  # fmt: skip
+        return False
     return run.state_type in TERMINAL_STATES
 
 
@@ -363,6 +383,14 @@ def _waited_too_long(config: ClusterConfig, waited: float, record: Record | None
         f"(finished, or no beat for [lock] lease_s) is freed by the next run; free it by hand "
         f"with `prefect gcl update {lock_name(config.name)} --active-slots 0`"
     )
+
+
+def _logger() -> logging.Logger | logging.LoggerAdapter[logging.Logger]:
+    """The run's logger; the watcher's asks outside any run."""
+    try:
+        return log()
+    except MissingContextError:
+        return get_logger("vllm_redeploy.lock")
 
 
 def _now() -> str:
