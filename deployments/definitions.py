@@ -11,7 +11,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from prefect.client.schemas.objects import ConcurrencyLimitConfig
 from prefect.events import DeploymentEventTrigger
 from prefect.events.schemas.events import ResourceSpecification
 from prefect.schedules import Cron
@@ -22,10 +21,11 @@ from vllm_redeploy.names import deployment_name
 
 NIGHTLY_CRON = "0 4 * * *"
 NIGHTLY_TIMEZONE = "UTC"  # explicit: the schedule must not move with the controller's locale
-# One run at a time per deployment; a run that arrives meanwhile waits (a recovery run must never
-# be dropped, which CANCEL_NEW would do). Runs of different deployments of one cluster take
-# turns through the cluster's own lock (tasks/standing/lock.py), whatever process runs them.
-ONE_AT_A_TIME = ConcurrencyLimitConfig(limit=1, collision_strategy="ENQUEUE")
+# No deployment carries Prefect's own concurrency limit: the cluster's lock (tasks/standing/lock.py)
+# already runs one run of the cluster at a time, whatever deployment or process started it, and
+# never drops one. A deployment limit would add a lease that the flow's process must renew, and
+# Prefect cancels a run whose renewal fails (a server restarted without its lease storage, an
+# outage longer than the renewal's retries) in the middle of a load, past the flow's clean-up.
 
 
 def reboot_trigger(config: ClusterConfig) -> DeploymentEventTrigger:
@@ -69,7 +69,6 @@ def deployment_specs(config: ClusterConfig, config_path: Path) -> list[dict[str,
             "schedules": [Cron(NIGHTLY_CRON, timezone=NIGHTLY_TIMEZONE, slug="nightly")],
             "parameters": {**params, "mode": "redeploy", "trigger": "nightly"},
             "tags": [*tags, "nightly"],
-            "concurrency_limit": ONE_AT_A_TIME,
         },
         {
             "name": deployment_name(config.name, "after-reboot"),
@@ -77,7 +76,6 @@ def deployment_specs(config: ClusterConfig, config_path: Path) -> list[dict[str,
             "triggers": [reboot_trigger(config)],
             "parameters": {**params, "mode": "ensure", "trigger": "after-reboot"},
             "tags": [*tags, "after-reboot"],
-            "concurrency_limit": ONE_AT_A_TIME,
         },
         {
             "name": deployment_name(config.name, "recover"),
@@ -86,7 +84,6 @@ def deployment_specs(config: ClusterConfig, config_path: Path) -> list[dict[str,
             "triggers": [unhealthy_trigger(config)],
             "parameters": {**params, "mode": "ensure", "trigger": "recover"},
             "tags": [*tags, "recover"],
-            "concurrency_limit": ONE_AT_A_TIME,
         },
         {
             "name": deployment_name(config.name, "manual"),
@@ -94,7 +91,6 @@ def deployment_specs(config: ClusterConfig, config_path: Path) -> list[dict[str,
             "override_pause runs even while the cluster is paused.",
             "parameters": {**params, "mode": "ensure", "trigger": "manual"},
             "tags": [*tags, "manual"],
-            "concurrency_limit": ONE_AT_A_TIME,
         },
     ]
 

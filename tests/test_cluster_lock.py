@@ -114,8 +114,10 @@ def events(url: str, name: str, resource_id: str) -> list[dict[str, Any]]:
 def test_nightly_after_reboot_and_manual_runs_take_turns(
     prefect_api: str, lock_bed: TestBed
 ) -> None:
-    """All three deployments started at once (each with its own limit of one): they run one
-    after another, each Completed, and the group left running is the last run's."""
+    """All three deployments started at once, the manual one twice: they run one after another,
+    each Completed, and the group left running is the last run's. No deployment has a limit of
+    Prefect's own (a lease the run would have to renew through an outage): the lock is what
+    serialises them."""
     cluster = f"turns{uuid.uuid4().hex[:6]}"
     path = lock_bed.write_config(lock_bed.root / "turns.toml", name=cluster, vllm={"env": FAST})
     config = load_config(path, env_file=None)
@@ -132,7 +134,8 @@ def test_nightly_after_reboot_and_manual_runs_take_turns(
         # The lock exists before any run: `serve` made it.
         limit = api(prefect_api, "GET", f"/v2/concurrency_limits/{lock_name(config.name)}")
         assert limit["limit"] == 1 and limit["active"]
-        ids = [create_run(prefect_api, found[name]["id"]) for name in names]
+        assert [found[name]["global_concurrency_limit"] for name in names] == [None] * 3
+        ids = [create_run(prefect_api, found[name]["id"]) for name in [*names, names[-1]]]
         deadline = time.monotonic() + 300
         while True:
             runs = flow_runs(prefect_api, ids)
@@ -142,7 +145,7 @@ def test_nightly_after_reboot_and_manual_runs_take_turns(
             time.sleep(1)
     finally:
         stop(serve, grace=10)
-    assert [r["state_type"] for r in runs] == ["COMPLETED"] * 3, (
+    assert [r["state_type"] for r in runs] == ["COMPLETED"] * 4, (
         lock_bed.root / "serve.log"
     ).read_text()[-3000:]
     # Each run is Running at once and waits inside for the cluster: what must not overlap is
