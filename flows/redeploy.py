@@ -50,6 +50,7 @@ from tasks.memory import make_memory_free
 from tasks.ports_free import wait_ports_free
 from tasks.preflight import NodeFacts, judge_preflight, preflight_node, preflight_problems
 from tasks.probe import probe_model
+from tasks.records import FLUSH_S
 from tasks.standing.lock import Hold, cluster_lock
 from tasks.standing.marks import clear_crashloop
 from tasks.standing.recoveries import SKIPPED, UNCHANGED
@@ -79,6 +80,7 @@ class Steps:
         self.summary = summary
         self.current = "start"
         self.launching = False  # the group's first container may be up: a failure removes it
+        self.served = False  # the probe passed: nothing after it removes the group
         self.hold: Hold | None = None
 
     def __call__(self, name: str, fn: Any, *args: Any) -> Any:
@@ -103,10 +105,13 @@ class Steps:
         """The cluster's lock, held for the rest of the run: timed until it is taken."""
         self._start(name)
         started = time.monotonic()
-        with hold as self.hold:
-            self.summary.steps[name] = round(time.monotonic() - started, 2)
-            report(StepEvent(name, "done", self.summary.steps[name]))
-            yield self.hold
+        try:
+            with hold as self.hold:
+                self.summary.steps[name] = round(time.monotonic() - started, 2)
+                report(StepEvent(name, "done", self.summary.steps[name]))
+                yield self.hold
+        finally:
+            self.hold = None  # released: what fails later is not this run's to tear down
 
     def _start(self, name: str) -> None:
         self.current = name
@@ -179,36 +184,40 @@ def redeploy_vllm_cluster(
         image=config.vllm.image,
     )
     step = Steps(summary)
-    handled: Exception | None = None
+    handled: BaseException | None = None
     try:
         guard = step("guard", guard_run, run, trigger, override_pause)
         if guard.skip is not None:
             summary.action = f"skipped: {guard.skip}"
-            return Completed(name=SKIPPED, message=guard.skip, data=_finish(summary, event=False))
+            data = _finish(run, summary, event=False)
+            return Completed(name=SKIPPED, message=guard.skip, data=data)
         with step.holding("cluster-lock", cluster_lock(config)):
             try:
-                result = _runbook(run, mode, step)
-            except Exception as exc:
+                _runbook(run, mode, step)
+            except BaseException as exc:  # a cancellation too: the same clean-up as a failure
                 handled = exc  # reported while the cluster is still held: nobody else starts
                 _fail(run, summary, *_explain(exc, step.current), keep_on_failure, step)
                 raise
-        if trigger == "manual" and clear_crashloop(config.name):
-            log().info("a manual run succeeded: the crash-loop mark is cleared")
+        if trigger == "manual":
+            _clear_crashloop(config.name)
+        result = _finish(run, summary)
         if summary.action.startswith("already healthy"):
             return Completed(name=UNCHANGED, message=summary.action, data=result)
         return result
-    except Exception as exc:  # every failure ends the same way: diagnostics, event, teardown
+    except BaseException as exc:  # every failure ends the same way: diagnostics, event, teardown
         if exc is not handled:  # taking the cluster failed: nothing was started
             _fail(run, summary, *_explain(exc, step.current), keep_on_failure, step)
-        if isinstance(exc, StepFailed | RemoteError):
+        if not isinstance(exc, Exception) or isinstance(exc, StepFailed | RemoteError):
             raise
         raise StepFailed(*_explain(exc, step.current)) from exc
     finally:
+        _flush(run)
         run.close()
 
 
-def _runbook(run: Run, mode: Mode, step: Steps) -> dict[str, Any]:
-    """The operator's steps, in order; the flow holds the cluster around them."""
+def _runbook(run: Run, mode: Mode, step: Steps) -> None:
+    """The operator's steps, in order, into the run's summary; the flow holds the cluster around
+    them."""
     config, summary = run.config, step.summary
     nodes = [n.name for n in config.nodes]
     if mode == "ensure":
@@ -216,7 +225,7 @@ def _runbook(run: Run, mode: Mode, step: Steps) -> dict[str, Any]:
         if health.healthy:
             summary.action = "already healthy: nothing changed"
             summary.notes.append(health.reason)
-            return _finish(summary)
+            return
         summary.notes.append(f"redeploying: {health.reason}")
     facts = step("preflight", per_node, preflight_node, run, nodes)
     facts = _sync(run, step, facts)
@@ -246,7 +255,7 @@ def _runbook(run: Run, mode: Mode, step: Steps) -> dict[str, Any]:
         summary.transport = step("transport", prove_transport, run, plan)
         summary.notes += half_bandwidth(plan, summary.transport)
     summary.probe = step("probe", probe_model, run)
-    return _finish(summary)
+    step.served = True
 
 
 def _sync(run: Run, step: Steps, facts: list[NodeFacts]) -> list[NodeFacts]:
@@ -280,31 +289,41 @@ def _sync(run: Run, step: Steps, facts: list[NodeFacts]) -> list[NodeFacts]:
     return [fresh.get(f.node, f) for f in facts]
 
 
-def _explain(exc: Exception, current: str) -> tuple[str, str]:
+def _explain(exc: BaseException, current: str) -> tuple[str, str]:
     """The failed step and a one-paragraph reason; an exception nobody planned for is named as
     such, its traceback left to the flow run's log."""
     if isinstance(exc, StepFailed):
         return exc.step, exc.reason
     if isinstance(exc, RemoteError):
         return current, str(exc)
+    if not isinstance(exc, Exception):
+        said = f": {one_line(exc)}" if str(exc) else ""
+        return current, (
+            f"the run was stopped from outside during {current} ({type(exc).__name__}{said}): "
+            "Prefect cancelled it, or its process was told to stop"
+        )
     return current, (
         f"unexpected error in {current}: {type(exc).__name__}: {one_line(exc)} (a bug in "
         "vllm-redeploy or in what it talks to; the traceback is in the flow run's log)"
     )
 
 
-def _finish(summary: RunSummary, event: bool = True) -> dict[str, Any]:
+def _finish(run: Run, summary: RunSummary, event: bool = True) -> dict[str, Any]:
+    """The run's result, its summary artifact and its event: recorded when the Prefect API takes
+    them (tasks/records.py), never a reason to fail a run that did its work."""
     markdown = render_markdown(summary)
-    create_markdown_artifact(
-        markdown,
-        key=artifact_key(summary.cluster, "summary"),
-        description="what the redeploy did",
+    run.records.record(
+        "summary",
+        lambda: create_markdown_artifact(
+            markdown,
+            key=artifact_key(summary.cluster, "summary"),
+            description="what the redeploy did",
+        ),
     )
     if event:
         transport = summary.transport.as_dict() if summary.transport else None
-        emit_event(
-            **ready_event(summary.cluster, summary.mode, summary.action, summary.steps, transport)
-        )
+        ready = ready_event(summary.cluster, summary.mode, summary.action, summary.steps, transport)
+        run.records.record("event", lambda: emit_event(**ready))
     return {
         "cluster": summary.cluster,
         "mode": summary.mode,
@@ -315,6 +334,30 @@ def _finish(summary: RunSummary, event: bool = True) -> dict[str, Any]:
         "compile_cache": summary.compile_cache,
         "summary": markdown,
     }
+
+
+def _clear_crashloop(cluster: str) -> None:
+    """A manual run that succeeded lifts the crash-loop mark; the API away leaves it set."""
+    try:
+        if clear_crashloop(cluster):
+            log().info("a manual run succeeded: the crash-loop mark is cleared")
+    except Exception as exc:
+        log().warning(
+            "could not clear the crash-loop mark (%s): `vllm-redeploy resume` clears it",
+            one_line(exc),
+        )
+
+
+def _flush(run: Run) -> None:
+    """Wait for the Prefect API to take what the run could not record yet (the summary among
+    it), for a while; say what it never took."""
+    if left := run.records.flush():
+        log().warning(
+            "the Prefect API did not take this run's %s within %.0f s: not recorded (the "
+            "run's result and its log say what it did)",
+            ", ".join(left),
+            FLUSH_S,
+        )
 
 
 def _still_held(steps: Steps, summary: RunSummary) -> bool:
@@ -336,7 +379,13 @@ def _fail(
     log().error("failed at %s: %s", step, reason)
     if reason.startswith("unexpected error"):
         log().error("the unexpected error's traceback", exc_info=True)
-    tear_down = steps.launching and not keep_on_failure and _still_held(steps, summary)
+    tear_down = (
+        steps.launching
+        and not steps.served
+        and not keep_on_failure
+        and steps.hold is not None
+        and _still_held(steps, summary)
+    )
     report(StepEvent(step, "failed", summary.steps.get(step), reason))
     summary.action, summary.failed_step, summary.failure = f"failed at {step}", step, reason
     try:
@@ -351,18 +400,17 @@ def _fail(
         else:
             gone = ", ".join(f"{n}: {', '.join(names)}" for n, names in removed.items() if names)
             summary.notes.append(f"removed the half-started group ({gone or 'nothing left'})")
-    try:
-        create_markdown_artifact(
-            render_markdown(summary),
+    markdown = render_markdown(summary)
+    run.records.record(
+        "summary",
+        lambda: create_markdown_artifact(
+            markdown,
             key=artifact_key(summary.cluster, "summary"),
             description="what the redeploy did before it failed",
-        )
-    except Exception as exc:  # the failure itself must still be reported and raised
-        log().warning("could not write the summary: %s", one_line(exc))
-    try:
-        emit_event(**failed_event(run.config.name, step, one_line(reason)))
-    except Exception as exc:
-        log().warning("could not emit the failure event: %s", one_line(exc))
+        ),
+    )
+    failed = failed_event(run.config.name, step, one_line(reason))
+    run.records.record("event", lambda: emit_event(**failed))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from typing import Any
 
 from prefect import get_run_logger
 
+from tasks.records import Recorder
 from vllm_redeploy.config import ClusterConfig, NodeConfig
 from vllm_redeploy.nodes import (
     AuthenticationFailed,
@@ -26,6 +27,7 @@ from vllm_redeploy.nodes import (
 @dataclass
 class Run:
     config: ClusterConfig
+    records: Recorder = field(default_factory=Recorder)  # what it tells the Prefect server
     _nodes: dict[str, NodeAccess] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 

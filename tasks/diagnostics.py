@@ -86,9 +86,12 @@ def collect_diagnostics(run: Run, step: str, reason: str) -> str:
     text = "\n\n".join(sections)
     for secret in run.config.secret_values():
         text = text.replace(secret, MASK)
-    create_markdown_artifact(
-        text,
-        key=artifact_key(run.config.name, "diagnostics"),
-        description="state of every node when the run failed",
+    run.records.record(
+        "diagnostics",
+        lambda: create_markdown_artifact(
+            text,
+            key=artifact_key(run.config.name, "diagnostics"),
+            description="state of every node when the run failed",
+        ),
     )
     return text

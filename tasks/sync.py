@@ -5,13 +5,12 @@
 from __future__ import annotations
 
 import time
-from uuid import UUID
 
 from prefect import task
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import Run, StepFailed, log
+from tasks.records import Progress
 from vllm_redeploy.names import artifact_key
 from vllm_redeploy.nodes import RemoteError
 from vllm_redeploy.summary import StepEvent, report
@@ -32,8 +31,8 @@ class Meter:
     """One target's bytes, shown in the UI (a progress artifact) and to a CLI listening, at most
     once per UPDATE_S."""
 
-    def __init__(self, node: str, total: int, artifact: UUID) -> None:
-        self.node, self.total, self.artifact = node, total, artifact
+    def __init__(self, node: str, total: int, progress: Progress) -> None:
+        self.node, self.total, self.progress = node, total, progress
         self.started = time.monotonic()
         self.last = 0.0
 
@@ -50,7 +49,7 @@ class Meter:
         )
         report(StepEvent(STEP, "copying", detail=text))
         percent = min(99.0, 100.0 * done / self.total) if self.total else 99.0
-        update_progress_artifact(self.artifact, percent, description=text)
+        self.progress.set(percent, text)
 
 
 # Not cached and not retried: what a node holds changes between runs, and a copy cut halfway
@@ -64,17 +63,18 @@ def sync_node(run: Run, name: str, need: SyncNeed, image_id: str | None) -> list
         route = route_between(source, target, config)
         log().info("%s, %s", need.describe(config.vllm.image), route)
         total = planned_bytes(source, need, config.vllm.image if image_id else None)
-        artifact = create_progress_artifact(
-            0.0,
-            key=artifact_key(config.name, f"sync-{name}"),
-            description=f"{name}: {human_bytes(total)} from {source.name}, {route}",
+        progress = Progress(
+            run.records,
+            artifact_key(config.name, f"sync-{name}"),
+            f"{name}: {human_bytes(total)} from {source.name}, {route}",
         )
+        progress.set(0.0)
         copied = sync_target(
-            source, target, config, need, image_id, route, Meter(name, total, artifact)
+            source, target, config, need, image_id, route, Meter(name, total, progress)
         )
     except RemoteError as exc:
         raise StepFailed(STEP, f"{exc} (what {name} held before is still there)") from None
-    update_progress_artifact(artifact, 100.0, description=f"{name}: done")
+    progress.set(100.0, f"{name}: done")
     for done in copied:
         log().info(
             "%s: %s, %s in %.1f s (%s), %s",

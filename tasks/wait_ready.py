@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import httpx
 from prefect import task
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import Run, StepFailed, log
+from tasks.records import Progress
 from vllm_redeploy.endpoint import (
     api_base,
     api_key,
@@ -81,11 +81,10 @@ def wait_until_ready(run: Run, plan: LaunchPlan) -> Ready:
     url = api_base(config)
     deadline_s = config.deadlines.model_load_s
     started = time.monotonic()
-    progress_id = create_progress_artifact(
-        0.0,
-        key=artifact_key(config.name, "load"),
-        description=f"Loading {want} on {api.node}",
+    progress = Progress(
+        run.records, artifact_key(config.name, "load"), f"Loading {want} on {api.node}"
     )
+    progress.set(0.0)
     rendezvous = Rendezvous(plan) if plan.rendezvous_port is not None else None
     last_progress = 0.0
     last_load: LoadProgress | None = None
@@ -103,7 +102,7 @@ def wait_until_ready(run: Run, plan: LaunchPlan) -> Ready:
                     f"{deadline_s:g} s.",
                 )
             if listed is not None and want in listed:
-                update_progress_artifact(progress_id, 100.0)
+                progress.set(100.0)
                 waited = time.monotonic() - started
                 shards = last_load.total if last_load else 0
                 report(StepEvent(STEP, "loading", load=LoadProgress(100, shards, shards)))
@@ -144,17 +143,14 @@ def wait_until_ready(run: Run, plan: LaunchPlan) -> Ready:
                     rendezvous.check(run, now)
             if now - last_report >= PROGRESS_EVERY_S:
                 last_report = now
-                progress = last_load_progress(docker.logs_tail(name, RAW_TAIL_LINES))
-                if progress and progress.percent != last_progress:
-                    last_progress = progress.percent
-                    last_load = progress
-                    update_progress_artifact(progress_id, float(progress.percent))
-                    report(StepEvent(STEP, "loading", load=progress))
+                load = last_load_progress(docker.logs_tail(name, RAW_TAIL_LINES))
+                if load and load.percent != last_progress:
+                    last_progress = load.percent
+                    last_load = load
+                    progress.set(float(load.percent))
+                    report(StepEvent(STEP, "loading", load=load))
                     log().info(
-                        "loading weights: %d%% (%d/%d shards)",
-                        progress.percent,
-                        progress.done,
-                        progress.total,
+                        "loading weights: %d%% (%d/%d shards)", load.percent, load.done, load.total
                     )
             if now - started >= deadline_s:
                 tail = _tail(docker, name, LOG_TAIL_LINES)
