@@ -14,6 +14,7 @@ from typing import Any
 from prefect.events import DeploymentEventTrigger
 from prefect.events.schemas.events import ResourceSpecification
 from prefect.schedules import Cron
+from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
 from vllm_redeploy.config import CONFIG_VARIABLE, ClusterConfig
 from vllm_redeploy.events import EVENT_CLUSTER_REBOOTED, EVENT_UNHEALTHY, RESOURCE_LABEL_CLUSTER
@@ -98,6 +99,10 @@ def deployment_specs(config: ClusterConfig, config_path: Path) -> list[dict[str,
 # How often `serve` asks the API for runs to start: a click in the UI or a reboot's run starts
 # within this. Prefect's default, 10 s, would add up to 10 s to every recovery; one cheap query.
 RUNNER_POLL_S = 2.0
+# `serve` exits, stopping the runs it started, once three of its polls in a row fail; each poll's
+# call is retried with backoff (2, 4, 8 ... s) this many times first. Prefect's 5 (62 s a call)
+# let a server away for ~3 minutes end a load; 8 (510 s a call) keeps serve up through ~25.
+SERVE_CLIENT_RETRIES = 8
 
 
 def serve_deployments(clusters: list[tuple[ClusterConfig, Path]]) -> None:
@@ -125,4 +130,6 @@ def serve_deployments(clusters: list[tuple[ClusterConfig, Path]]) -> None:
         for config, config_path in clusters
         for spec in deployment_specs(config, config_path)
     ]
-    serve(*deployments, pause_on_shutdown=False, query_seconds=RUNNER_POLL_S)
+    retries = max(PREFECT_CLIENT_MAX_RETRIES.value(), SERVE_CLIENT_RETRIES)
+    with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: retries}):
+        serve(*deployments, pause_on_shutdown=False, query_seconds=RUNNER_POLL_S)

@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
+from typing import ParamSpec, TypeVar
 from uuid import UUID
 
 import httpx
@@ -43,6 +45,7 @@ from prefect.client.schemas.actions import (
 from prefect.client.schemas.objects import TERMINAL_STATES, ConcurrencyLeaseHolder, StateType
 from prefect.exceptions import MissingContextError, ObjectAlreadyExists, ObjectNotFound
 from prefect.logging import get_logger
+from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 from prefect.variables import Variable
 
 from tasks.context import StepFailed, log
@@ -51,10 +54,30 @@ from vllm_redeploy.names import lock_name, variable_name
 from vllm_redeploy.safe_text import one_line
 
 STEP = "cluster-lock"
+P = ParamSpec("P")
+T = TypeVar("T")
 POLL_S = 2.0  # a waiting run asks this often: the next run starts within seconds of the last
 BEAT_S = 10.0  # the holder renews its lease and its record this often
 SAY_EVERY_S = 30.0  # while waiting, who holds the cluster is logged this often
 CLOCK_SLACK_S = 30.0  # a beat this much older than lease_s is stale by the clock alone
+# ...once the server has answered this long: a live holder beats again within BEAT_S, its
+# failed beats being retried every POLL_S (tasks/records.py's reason: nothing waits on backoff).
+AFTER_OUTAGE_S = BEAT_S + 2 * POLL_S
+# The lock's calls fail fast and are asked again on its own schedule (POLL_S, BEAT_S): with the
+# client's backoff (2, 4 ... s between tries; 256 s under `serve`) a holder's first beat after an
+# outage could come minutes after the server, and a waiting run would call it gone meanwhile.
+CLIENT_RETRIES = 2
+
+
+def _on_own_schedule(fn: Callable[P, T]) -> Callable[P, T]:
+    """Run ``fn`` with the client's retries cut to ``CLIENT_RETRIES``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: CLIENT_RETRIES}):
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 @dataclass(frozen=True)
@@ -112,6 +135,7 @@ def ensure_cluster_lock(cluster: str) -> str:
     return name
 
 
+@_on_own_schedule
 def holder(config: ClusterConfig) -> Record | None:
     """The run holding the cluster now, judged as a waiting run judges it at first sight (not
     released, its flow run not finished, its beat not stale by the clock); None if none."""
@@ -139,6 +163,7 @@ class Hold:
         )
         self._thread.start()
 
+    @_on_own_schedule
     def confirm(self) -> None:
         """Before a step that changes the nodes: the record still names this run, read from the
         server (waited for up to ``lease_s`` while it does not answer)."""
@@ -167,6 +192,7 @@ class Hold:
                 "this run stopped before changing the nodes, and leaves them to that run",
             )
 
+    @_on_own_schedule
     def release(self) -> None:
         self._stop.set()
         self._thread.join(30)
@@ -179,6 +205,7 @@ class Hold:
         except Exception as exc:  # the next run sees this flow run finished instead
             log().warning("could not mark the cluster released: %s", one_line(exc))
 
+    @_on_own_schedule
     def _renew(self) -> None:
         complained = False
         with get_client(sync_client=True) as client:
@@ -219,40 +246,7 @@ def cluster_lock(config: ClusterConfig) -> Iterator[Hold]:
     me = str(runtime.flow_run.id or uuid.uuid4())
     lease_holder = ConcurrencyLeaseHolder(type="flow_run", id=UUID(me))
     started = time.monotonic()
-    deadline = started + config.lock.wait_s
-    seen: dict[tuple[str, str] | None, float] = {}  # each record's state, when first seen
-    said = started
-    record: Record | None = None
-    with get_client(sync_client=True) as client:
-        while True:
-            lease_id = ""
-            try:
-                lease_id = _try_acquire(client, name, config.lock.lease_s, lease_holder)
-                record = Record.read(config.name)
-                key = (record.flow_run_id, record.beat) if record else None
-                first_seen = seen.setdefault(key, time.monotonic())
-                gone = _gone(client, record, me, config.lock.lease_s, first_seen)
-                if lease_id and gone:
-                    break
-                if lease_id:  # a live holder whose lease the server forgot takes its slot back
-                    _release_lease(client, lease_id)
-                elif gone and record is not None:
-                    _free(client, name, record)
-                    continue
-            except Exception as exc:  # the server away: what was seen before says nothing now
-                with contextlib.suppress(Exception):
-                    _release_lease(client, lease_id)
-                seen.clear()
-                log().warning("could not ask the Prefect server for %s: %s", name, one_line(exc))
-            now = time.monotonic()
-            if now >= deadline:
-                raise StepFailed(STEP, _waited_too_long(config, now - started, record))
-            if now - said >= SAY_EVERY_S:
-                said = now
-                held_by = record.described() if record else ""
-                log().info("waiting for %s: another run holds it%s (%.0f s so far)", name,
-                           held_by, now - started)  # fmt: skip
-            time.sleep(POLL_S)
+    lease_id = _wait_for_slot(config, name, me, lease_holder)
     waited = time.monotonic() - started
     record = Record(
         me,
@@ -279,14 +273,68 @@ def cluster_lock(config: ClusterConfig) -> Iterator[Hold]:
         hold.release()
 
 
+@_on_own_schedule
+def _wait_for_slot(
+    config: ClusterConfig, name: str, me: str, lease_holder: ConcurrencyLeaseHolder
+) -> str:
+    """The lease of the cluster's slot, once its holder is gone; StepFailed after wait_s."""
+    started = time.monotonic()
+    deadline = started + config.lock.wait_s
+    seen: dict[tuple[str, str] | None, float] = {}  # each record's state, when first seen
+    said = started
+    answering = started  # since when the server has answered without a break
+    record: Record | None = None
+    with get_client(sync_client=True) as client:
+        while True:
+            lease_id = ""
+            try:
+                lease_id = _try_acquire(client, name, config.lock.lease_s, lease_holder)
+                record = Record.read(config.name)
+                key = (record.flow_run_id, record.beat) if record else None
+                first_seen = seen.setdefault(key, time.monotonic())
+                answered_s = time.monotonic() - answering
+                gone = _gone(client, record, me, config.lock.lease_s, first_seen, answered_s)
+                if lease_id and gone:
+                    return lease_id
+                if lease_id:  # a live holder whose lease the server forgot takes its slot back
+                    _release_lease(client, lease_id)
+                elif gone and record is not None:
+                    _free(client, name, record)
+                    continue
+            except Exception as exc:  # the server away: what was seen before says nothing now
+                with contextlib.suppress(Exception):
+                    _release_lease(client, lease_id)
+                seen.clear()
+                answering = time.monotonic() + POLL_S
+                log().warning("could not ask the Prefect server for %s: %s", name, one_line(exc))
+            now = time.monotonic()
+            if now >= deadline:
+                raise StepFailed(STEP, _waited_too_long(config, now - started, record))
+            if now - said >= SAY_EVERY_S:
+                said = now
+                held_by = record.described() if record else ""
+                log().info("waiting for %s: another run holds it%s (%.0f s so far)", name,
+                           held_by, now - started)  # fmt: skip
+            time.sleep(POLL_S)
+
+
 def _gone(
-    client: SyncPrefectClient, record: Record | None, me: str, lease_s: float, first_seen: float
+    client: SyncPrefectClient,
+    record: Record | None,
+    me: str,
+    lease_s: float,
+    first_seen: float,
+    answered_s: float = float("inf"),
 ) -> bool:
-    """May this run take the cluster from ``record``'s holder?"""
+    """May this run take the cluster from ``record``'s holder? A beat that is old by the clock
+    says so only once the server has answered long enough for a live holder to beat again
+    (``answered_s``): right after an outage every holder's beat is as old as the outage."""
     if record is None or record.released or record.flow_run_id == me:
         return True
-    if time.monotonic() - first_seen >= lease_s or record.age_s() >= _stale_after(lease_s):
-        return True  # no beat for lease_s: its controller is gone
+    if time.monotonic() - first_seen >= lease_s:
+        return True  # watched for lease_s without a beat: its controller is gone
+    if record.age_s() >= _stale_after(lease_s) and answered_s >= AFTER_OUTAGE_S:
+        return True
     return _finished(client, record, lease_s)
 
 
