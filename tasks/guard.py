@@ -72,7 +72,7 @@ def _pace(run: Run) -> Guard:
     now = pace(cluster, watch)
     if now.crashloop:
         loop, event = declare_crashloop(cluster, watch, now)
-        emit_event(**event)
+        run.records.record("crashloop-event", lambda: emit_event(**event))
         log().warning("%s is crash-looping: %d recoveries in %g s", cluster, now.count,
                       watch.window_s)  # fmt: skip
         return _skip(loop.describe())

@@ -20,6 +20,8 @@ from typing import Any
 
 from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.context import FlowRunContext
+from prefect.logging.loggers import flow_run_logger
 
 from vllm_redeploy.safe_text import one_line
 
@@ -43,7 +45,7 @@ class Recorder:
         context = contextvars.copy_context()
         with self._changed:
             if self._log is None:
-                self._log = get_run_logger()  # the flow run's logger, also for the writer thread
+                self._log = _flow_run_logger()  # also for the writer thread
             self._pending.pop(key, None)  # the newest goes last: written in the order asked
             self._pending[key] = (context, write)
             if self._thread is None:
@@ -98,10 +100,19 @@ class Recorder:
     def _came_back(self) -> None:
         if self._away_since is not None:
             self._log.info(
-                "the Prefect API answers again after %.0f s: writing what it missed",
+                "the Prefect API answers again, %.0f s after a record first failed: writing "
+                "what it missed",
                 time.monotonic() - self._away_since,
             )
             self._away_since = None
+
+
+def _flow_run_logger() -> Any:
+    """The flow run's logger, also when a task asks first: what the records say is the run's."""
+    context = FlowRunContext.get()
+    if context is not None and context.flow_run is not None:
+        return flow_run_logger(context.flow_run, context.flow)
+    return get_run_logger()
 
 
 class Progress:

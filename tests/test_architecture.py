@@ -4,6 +4,7 @@ imports a higher one; the core (vllm_redeploy/) knows nothing of Prefect."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,18 @@ def test_no_import_runs_upward() -> None:
 def test_the_checker_sees_every_module(package: str) -> None:
     """A check that found no file would pass for ever."""
     assert any(imports_of(p) for p in (ROOT / package).rglob("*.py"))
+
+
+def test_steps_tell_prefect_through_the_runs_records() -> None:
+    """Artifacts and events go through ``run.records`` (tasks/records.py): a direct call would
+    hold a step up while the Prefect API is away, and fail the run when it answers 500."""
+    direct = re.compile(r"\b(create_\w+_artifact|update_progress_artifact|emit_event)\(")
+    offenders = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for package in ("tasks", "flows")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if path.name != "records.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if direct.search(line) and "lambda" not in line and "def " not in line
+    ]
+    assert offenders == []

@@ -358,6 +358,48 @@ def test_an_unexpected_exception_ends_like_any_failure(
     )
 
 
+def test_a_run_stopped_from_outside_ends_like_any_failure(
+    prefect_api: str, lock_bed: TestBed
+) -> None:
+    """SIGTERM to the run's process during the load (Prefect turns it into a BaseException in
+    the flow, as it does a cancellation): diagnostics, the summary, vllm.cluster.failed, and the
+    half-started group removed, as for any failure."""
+    cluster = f"term{uuid.uuid4().hex[:6]}"
+    path = lock_bed.write_config(
+        lock_bed.root / "term.toml", name=cluster, vllm={"env": {"VRD_LOAD_SECONDS": "120"}}
+    )
+    log = lock_bed.root / "term.log"
+    run = run_cli(path, prefect_api, log)
+    wait_until(lambda: "step wait-ready" in log.read_text(), 120, "the load", log)
+    assert all(ours(lock_bed, cluster).values())  # the group is up, loading
+    run.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=120) != 0
+    assert all(not found for found in ours(lock_bed, cluster).values()), log.read_text()[-3000:]
+    deadline = time.monotonic() + 30
+    while not (
+        found := events(prefect_api, "vllm.cluster.failed", f"vllm-redeploy.cluster.{cluster}")
+    ):
+        assert time.monotonic() < deadline, "no vllm.cluster.failed event"
+        time.sleep(1)
+    (event,) = found
+    assert event["payload"]["step"] == "wait-ready"
+    assert event["payload"]["reason"].startswith("the run was stopped from outside during wait")
+    written = api(
+        prefect_api,
+        "POST",
+        "/artifacts/filter",
+        {
+            "artifacts": {
+                "key": {"any_": [artifact_key(cluster, k) for k in ("summary", "diagnostics")]}
+            }
+        },
+    )
+    assert {a["key"] for a in written} == {
+        artifact_key(cluster, "summary"),
+        artifact_key(cluster, "diagnostics"),
+    }
+
+
 def test_a_port_check_that_cannot_run_fails_the_step(prefect_api: str, lock_bed: TestBed) -> None:
     """`ss` missing on the head: ports-free says it could not check, instead of "free"."""
     head = lock_bed.nodes[0]

@@ -1,0 +1,277 @@
+"""The controller's bad minutes never cost a load (issue 48), on the bed against a Prefect server
+of the test's own, stopped and started again on its port and database:
+
+- away 90 s while the weights load (a progress write due inside), and again from the transport
+  step on, so the probe passes and the summary is due while it is away;
+- away 4 minutes from the load's start past its end, for `serve`'s deployment runs;
+- the holder's process stopped (SIGSTOP) for 150 s during the load while a run B waits;
+- a 500 (no retry in Prefect's client) to the summary's write, through a proxy in front of the
+  real server (tests/testbed/flaky_api.py).
+
+Each run completes with the model served, and the group it started is the one left running."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import make_bed
+from tests.test_deployments import deployments_by_name
+from tests.testbed.bed import TestBed
+from tests.testbed.flaky_api import flaky_api
+from tests.testbed.prefect_server import PrefectServer, at, cli, step_started
+from tests.testbed.procs import stop, wait_until
+from vllm_redeploy.names import artifact_key
+from vllm_redeploy.nodes.containers import LABEL_MANAGED
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[PrefectServer]:
+    home = tmp_path / "prefect-home"
+    home.mkdir()
+    server = PrefectServer(home)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def group(bed: TestBed) -> dict[str, str]:
+    """Every node's managed containers, name → id: the group a run started."""
+    found = {}
+    for node in bed.nodes:
+        with contextlib.closing(node.engine.client()) as client:
+            for c in client.containers.list(filters={"label": LABEL_MANAGED}):
+                found[f"{node.name}/{c.name}"] = c.id
+    return found
+
+
+def said(log: Path, text: str) -> bool:
+    return text in log.read_text(errors="replace")
+
+
+def away(server: PrefectServer, seconds: float) -> None:
+    server.stop()
+    time.sleep(seconds)
+    server.start()
+
+
+def summary_of(server: PrefectServer, cluster: str) -> list[dict[str, Any]]:
+    return server.post(
+        "/artifacts/filter",
+        {"artifacts": {"key": {"any_": [artifact_key(cluster, "summary")]}}},
+    )
+
+
+def test_away_90_s_in_the_load_and_again_at_the_summary_costs_nothing(
+    server: PrefectServer, tmp_path: Path
+) -> None:
+    bed = make_bed(2, "h200", first_ip=131)
+    try:
+        cluster = f"away{uuid.uuid4().hex[:6]}"
+        path = bed.write_config(
+            tmp_path / "c.toml",
+            name=cluster,
+            vllm={"env": {"VRD_LOAD_SECONDS": "110", "VRD_SHARDS": "30"}},
+        )
+        log = tmp_path / "run.log"
+        run = cli("run", path, server.url, log)
+        wait_until(lambda: said(log, "step wait-ready"), 180, "the load", log)
+        time.sleep(10)  # progress written; the next is due inside the outage
+        loading = group(bed)
+        away(server, 90)
+        wait_until(lambda: said(log, "step transport"), 180, "the load's end", log)
+        away(server, 90)  # the probe passes and the summary is due while it is away
+        assert run.wait(timeout=400) == 0, log.read_text()[-3000:]
+
+        (flow_run,) = server.post("/flow_runs/filter", {})
+        assert flow_run["state_type"] == "COMPLETED", flow_run
+        assert group(bed) == loading  # served by the group it loaded, nothing torn down
+        assert summary_of(server, cluster), "the summary was never recorded"
+        text = log.read_text()
+        assert "did not take this run's records" in text, text[-3000:]
+        assert "answers again" in text
+    finally:
+        bed.down()
+
+
+def test_away_4_minutes_from_the_load_on_a_deployment_run_costs_nothing(
+    server: PrefectServer, tmp_path: Path
+) -> None:
+    bed = make_bed(2, "h200", first_ip=133)
+    serve = None
+    try:
+        cluster = f"long{uuid.uuid4().hex[:6]}"
+        path = bed.write_config(
+            tmp_path / "c.toml",
+            name=cluster,
+            vllm={"env": {"VRD_LOAD_SECONDS": "120", "VRD_SHARDS": "30"}},
+        )
+        serve = cli("serve", path, server.url, tmp_path / "serve.log")
+        manual = f"{cluster}-manual"
+        wait_until(lambda: manual in deployments_by_name(server.url), 90, "serve", None)
+        deployment = deployments_by_name(server.url)[manual]
+        flow_run = server.post(
+            f"/deployments/{deployment['id']}/create_flow_run",
+            {"parameters": {"mode": "redeploy"}},
+        )
+        wait_until(
+            lambda: step_started(server, flow_run["id"], "wait-ready") is not None,
+            240,
+            "the deployment run's load",
+            tmp_path / "serve.log",
+        )
+        time.sleep(10)
+        loading = group(bed)
+        away(server, 240)  # past the load's end, the probe and the summary's write
+
+        deadline = time.monotonic() + 420
+        state = None
+        while time.monotonic() < deadline:
+            state = server.get(f"/flow_runs/{flow_run['id']}")["state_type"]
+            if state in ("COMPLETED", "FAILED", "CANCELLED"):
+                break
+            time.sleep(2)
+        serve_log = (tmp_path / "serve.log").read_text(errors="replace")
+        assert state == "COMPLETED", serve_log[-4000:]
+        assert group(bed) == loading
+        assert summary_of(server, cluster), "the summary was never recorded"
+        assert "lease renewal failed" not in serve_log
+    finally:
+        if serve is not None:
+            stop(serve, grace=10)
+        bed.down()
+
+
+def flow_run_process(serve: subprocess.Popen[bytes], flow_run_id: str) -> int:
+    """The pid of the process `serve` started for the flow run (it names the run in its
+    environment)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode() in environ.split(b"\0"):
+            return int(entry.name)
+    raise AssertionError(f"no process runs flow run {flow_run_id} (serve pid {serve.pid})")
+
+
+def test_a_holder_stopped_150_s_keeps_the_cluster_from_a_waiting_run(
+    server: PrefectServer, tmp_path: Path
+) -> None:
+    """While stopped it sends no heartbeat and beats no lock: Prefect may mark it Crashed, and
+    run B must still wait for it, since its beat is younger than [lock] lease_s."""
+    bed = make_bed(2, "h200", first_ip=135)
+    serve = None
+    try:
+        cluster = f"stop{uuid.uuid4().hex[:6]}"
+        lock = {"lease_s": 240, "wait_s": 900}
+        path_a = bed.write_config(
+            tmp_path / "a.toml",
+            name=cluster,
+            vllm={"env": {"VRD_LOAD_SECONDS": "60"}},
+            lock=lock,
+        )
+        path_b = bed.write_config(
+            tmp_path / "b.toml", name=cluster, vllm={"env": {"VRD_LOAD_SECONDS": "1"}}, lock=lock
+        )
+        serve = cli("serve", path_a, server.url, tmp_path / "serve.log")
+        manual = f"{cluster}-manual"
+        wait_until(lambda: manual in deployments_by_name(server.url), 90, "serve", None)
+        deployment = deployments_by_name(server.url)[manual]
+        a = server.post(
+            f"/deployments/{deployment['id']}/create_flow_run",
+            {"parameters": {"mode": "redeploy"}},
+        )
+        wait_until(
+            lambda: step_started(server, a["id"], "wait-ready") is not None,
+            240,
+            "run A's load",
+            tmp_path / "serve.log",
+        )
+        pid = flow_run_process(serve, a["id"])
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            log_b = tmp_path / "b.log"
+            run_b = cli("run", path_b, server.url, log_b)
+            time.sleep(150)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert run_b.wait(timeout=400) == 0, log_b.read_text()[-3000:]
+
+        found = {r["id"]: r for r in server.post("/flow_runs/filter", {})}
+        deadline = time.monotonic() + 60
+        while found[a["id"]]["state_type"] not in ("COMPLETED", "FAILED"):
+            assert time.monotonic() < deadline, found[a["id"]]
+            time.sleep(2)
+            found = {r["id"]: r for r in server.post("/flow_runs/filter", {})}
+        (b,) = [r for r in found.values() if r["deployment_id"] is None]  # not the nightly's
+        assert found[a["id"]]["state_type"] == "COMPLETED", (tmp_path / "serve.log").read_text()
+        b_changes = step_started(server, b["id"], "stop-autostart")
+        assert b_changes is not None and b_changes > at(found[a["id"]]["end_time"]), (
+            "run B touched the nodes while run A held the cluster"
+        )
+    finally:
+        if serve is not None:
+            stop(serve, grace=10)
+        bed.down()
+
+
+def test_a_500_to_the_summary_write_leaves_the_cluster_up_and_the_run_says_so(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    bed = make_bed(2, "h200", first_ip=137)
+    cluster = f"err{uuid.uuid4().hex[:6]}"
+    summary_key = artifact_key(cluster, "summary")
+    once: list[str] = []
+
+    def cue(method: str, path: str, body: object) -> bool:
+        summary = isinstance(body, dict) and body.get("key") == summary_key
+        if method == "POST" and path.rstrip("/") == "/artifacts" and summary and not once:
+            once.append(path)
+            return True
+        return False
+
+    try:
+        path = bed.write_config(tmp_path / "c.toml", name=cluster)
+        log = tmp_path / "run.log"
+        with flaky_api(prefect_api, cue) as api:
+            run = cli("run", path, api.url, log)
+            assert run.wait(timeout=300) == 0, log.read_text()[-3000:]
+        assert api.failed == ["POST /artifacts/"], api.failed
+        text = log.read_text()
+        assert "did not take this run's records" in text and "500" in text, text[-3000:]
+        served = group(bed)
+        assert served and all(running(bed).values()), served  # not torn down
+        written = httpx.post(
+            f"{prefect_api}/artifacts/filter",
+            json={"artifacts": {"key": {"any_": [summary_key]}}},
+            timeout=30,
+        ).json()
+        assert len(written) == 1, written  # written once the API took it
+    finally:
+        bed.down()
+
+
+def running(bed: TestBed) -> dict[str, bool]:
+    found = {}
+    for node in bed.nodes:
+        with contextlib.closing(node.engine.client()) as client:
+            for c in client.containers.list(all=True, filters={"label": LABEL_MANAGED}):
+                found[f"{node.name}/{c.name}"] = c.status == "running"
+    return found
