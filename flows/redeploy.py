@@ -311,15 +311,7 @@ def _explain(exc: BaseException, current: str) -> tuple[str, str]:
 def _finish(run: Run, summary: RunSummary, event: bool = True) -> dict[str, Any]:
     """The run's result, its summary artifact and its event: recorded when the Prefect API takes
     them (tasks/records.py), never a reason to fail a run that did its work."""
-    markdown = render_markdown(summary)
-    run.records.record(
-        "summary",
-        lambda: create_markdown_artifact(
-            markdown,
-            key=artifact_key(summary.cluster, "summary"),
-            description="what the redeploy did",
-        ),
-    )
+    markdown = _record_summary(run, summary, "what the redeploy did")
     if event:
         transport = summary.transport.as_dict() if summary.transport else None
         ready = ready_event(summary.cluster, summary.mode, summary.action, summary.steps, transport)
@@ -334,6 +326,16 @@ def _finish(run: Run, summary: RunSummary, event: bool = True) -> dict[str, Any]
         "compile_cache": summary.compile_cache,
         "summary": markdown,
     }
+
+
+def _record_summary(run: Run, summary: RunSummary, description: str) -> str:
+    """The summary's markdown, recorded as the run's summary artifact."""
+    markdown = render_markdown(summary)
+    key = artifact_key(summary.cluster, "summary")
+    run.records.record(
+        "summary", lambda: create_markdown_artifact(markdown, key=key, description=description)
+    )
+    return markdown
 
 
 def _clear_crashloop(cluster: str) -> None:
@@ -400,15 +402,7 @@ def _fail(
         else:
             gone = ", ".join(f"{n}: {', '.join(names)}" for n, names in removed.items() if names)
             summary.notes.append(f"removed the half-started group ({gone or 'nothing left'})")
-    markdown = render_markdown(summary)
-    run.records.record(
-        "summary",
-        lambda: create_markdown_artifact(
-            markdown,
-            key=artifact_key(summary.cluster, "summary"),
-            description="what the redeploy did before it failed",
-        ),
-    )
+    _record_summary(run, summary, "what the redeploy did before it failed")
     failed = failed_event(run.config.name, step, one_line(reason))
     run.records.record("event", lambda: emit_event(**failed))
 

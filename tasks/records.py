@@ -13,19 +13,40 @@ every one it missed). The run logs once that the API is away and once that it is
 from __future__ import annotations
 
 import contextvars
+import functools
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.context import FlowRunContext
 from prefect.logging.loggers import flow_run_logger
+from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
 from vllm_redeploy.safe_text import one_line
 
 RETRY_S = 3.0  # while the API is away, a pending record is tried this often
+# Calls that fail fast and are asked again on our own schedule (RETRY_S here, the lock's POLL_S):
+# with the client's own backoff (2, 4 ... s between tries, 256 s under `serve`, which raises the
+# retries for its runner) the first call after an outage could come minutes after the server.
+CLIENT_RETRIES = 2
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def on_own_schedule(fn: Callable[P, T]) -> Callable[P, T]:
+    """Run ``fn`` with the Prefect client's retries cut to ``CLIENT_RETRIES``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: CLIENT_RETRIES}):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 FLUSH_S = 300.0  # at the end, how long a run waits for the API to take what it could not
 
 
@@ -75,7 +96,7 @@ class Recorder:
                 context, write = self._pending.pop(key)
                 self._busy = True
             try:
-                context.run(write)
+                context.run(on_own_schedule(write))
             except Exception as exc:
                 with self._changed:
                     self._pending.setdefault(key, (context, write))  # unless a newer came

@@ -108,6 +108,16 @@ def events(url: str, name: str, resource_id: str) -> list[dict[str, Any]]:
     return api(url, "POST", "/events/filter", body)["events"]
 
 
+def failed_event(url: str, cluster: str) -> dict[str, Any]:
+    """The cluster's one vllm.cluster.failed event, once the server has it."""
+    deadline = time.monotonic() + 30
+    while not (found := events(url, "vllm.cluster.failed", f"vllm-redeploy.cluster.{cluster}")):
+        assert time.monotonic() < deadline, "no vllm.cluster.failed event"
+        time.sleep(1)
+    (event,) = found
+    return event
+
+
 # --- the three deployments of one cluster take turns ----------------------------------------
 
 
@@ -340,13 +350,7 @@ def test_an_unexpected_exception_ends_like_any_failure(
     }
     assert {artifact_key(cluster, "diagnostics"), artifact_key(cluster, "summary")} <= keys
     assert all(not found for found in ours(lock_bed, cluster).values()), ours(lock_bed, cluster)
-    deadline = time.monotonic() + 30
-    while not (
-        found := events(prefect_api, "vllm.cluster.failed", f"vllm-redeploy.cluster.{cluster}")
-    ):
-        assert time.monotonic() < deadline, "no vllm.cluster.failed event"
-        time.sleep(1)
-    (event,) = found
+    event = failed_event(prefect_api, cluster)
     assert event["payload"]["step"] == "ray-head"
     assert event["payload"]["reason"].startswith("unexpected error in ray-head: RuntimeError")
     labels = {k: v for k, v in event["resource"].items()}
@@ -375,13 +379,7 @@ def test_a_run_stopped_from_outside_ends_like_any_failure(
     run.send_signal(signal.SIGTERM)
     assert run.wait(timeout=120) != 0
     assert all(not found for found in ours(lock_bed, cluster).values()), log.read_text()[-3000:]
-    deadline = time.monotonic() + 30
-    while not (
-        found := events(prefect_api, "vllm.cluster.failed", f"vllm-redeploy.cluster.{cluster}")
-    ):
-        assert time.monotonic() < deadline, "no vllm.cluster.failed event"
-        time.sleep(1)
-    (event,) = found
+    event = failed_event(prefect_api, cluster)
     assert event["payload"]["step"] == "wait-ready"
     assert event["payload"]["reason"].startswith("the run was stopped from outside during wait")
     written = api(

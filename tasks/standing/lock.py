@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
-from typing import ParamSpec, TypeVar
 from uuid import UUID
 
 import httpx
@@ -45,39 +43,23 @@ from prefect.client.schemas.actions import (
 from prefect.client.schemas.objects import TERMINAL_STATES, ConcurrencyLeaseHolder, StateType
 from prefect.exceptions import MissingContextError, ObjectAlreadyExists, ObjectNotFound
 from prefect.logging import get_logger
-from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 from prefect.variables import Variable
 
 from tasks.context import StepFailed, log
+from tasks.records import on_own_schedule
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.names import lock_name, variable_name
 from vllm_redeploy.safe_text import one_line
 
 STEP = "cluster-lock"
-P = ParamSpec("P")
-T = TypeVar("T")
 POLL_S = 2.0  # a waiting run asks this often: the next run starts within seconds of the last
 BEAT_S = 10.0  # the holder renews its lease and its record this often
 SAY_EVERY_S = 30.0  # while waiting, who holds the cluster is logged this often
 CLOCK_SLACK_S = 30.0  # a beat this much older than lease_s is stale by the clock alone
 # ...once the server has answered this long: a live holder beats again within BEAT_S, its
-# failed beats being retried every POLL_S (tasks/records.py's reason: nothing waits on backoff).
+# failed beats being retried every POLL_S: its calls fail fast (tasks/records.py,
+# on_own_schedule), so nothing waits in the client's backoff for minutes after an outage.
 AFTER_OUTAGE_S = BEAT_S + 2 * POLL_S
-# The lock's calls fail fast and are asked again on its own schedule (POLL_S, BEAT_S): with the
-# client's backoff (2, 4 ... s between tries; 256 s under `serve`) a holder's first beat after an
-# outage could come minutes after the server, and a waiting run would call it gone meanwhile.
-CLIENT_RETRIES = 2
-
-
-def _on_own_schedule(fn: Callable[P, T]) -> Callable[P, T]:
-    """Run ``fn`` with the client's retries cut to ``CLIENT_RETRIES``."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
-        with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: CLIENT_RETRIES}):
-            return fn(*args, **kwargs)
-
-    return wrapper
 
 
 @dataclass(frozen=True)
@@ -135,7 +117,7 @@ def ensure_cluster_lock(cluster: str) -> str:
     return name
 
 
-@_on_own_schedule
+@on_own_schedule
 def holder(config: ClusterConfig) -> Record | None:
     """The run holding the cluster now, judged as a waiting run judges it at first sight (not
     released, its flow run not finished, its beat not stale by the clock); None if none."""
@@ -163,7 +145,7 @@ class Hold:
         )
         self._thread.start()
 
-    @_on_own_schedule
+    @on_own_schedule
     def confirm(self) -> None:
         """Before a step that changes the nodes: the record still names this run, read from the
         server (waited for up to ``lease_s`` while it does not answer)."""
@@ -192,7 +174,7 @@ class Hold:
                 "this run stopped before changing the nodes, and leaves them to that run",
             )
 
-    @_on_own_schedule
+    @on_own_schedule
     def release(self) -> None:
         self._stop.set()
         self._thread.join(30)
@@ -205,7 +187,7 @@ class Hold:
         except Exception as exc:  # the next run sees this flow run finished instead
             log().warning("could not mark the cluster released: %s", one_line(exc))
 
-    @_on_own_schedule
+    @on_own_schedule
     def _renew(self) -> None:
         complained = False
         with get_client(sync_client=True) as client:
@@ -273,7 +255,7 @@ def cluster_lock(config: ClusterConfig) -> Iterator[Hold]:
         hold.release()
 
 
-@_on_own_schedule
+@on_own_schedule
 def _wait_for_slot(
     config: ClusterConfig, name: str, me: str, lease_holder: ConcurrencyLeaseHolder
 ) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -59,14 +60,20 @@ class PrefectServer:
             return False
 
     def post(self, path: str, body: Any) -> Any:
-        response = httpx.post(f"{self.url}{path}", json=body, timeout=30)
-        response.raise_for_status()
-        return response.json()
+        return self._ask("POST", path, body)
 
     def get(self, path: str) -> Any:
-        response = httpx.get(f"{self.url}{path}", timeout=30)
-        response.raise_for_status()
-        return response.json()
+        return self._ask("GET", path)
+
+    def _ask(self, method: str, path: str, body: Any = None) -> Any:
+        """The answer's JSON; a 503 (SQLite busy under load) is asked again for up to 30 s."""
+        deadline = time.monotonic() + 30
+        while True:
+            response = httpx.request(method, f"{self.url}{path}", json=body, timeout=30)
+            if response.status_code != 503 or time.monotonic() > deadline:
+                response.raise_for_status()
+                return response.json()
+            time.sleep(0.5)
 
 
 def cli(command: str, path: Path, url: str, log: Path) -> subprocess.Popen[bytes]:
