@@ -3,11 +3,12 @@ best-effort, and never holds a step up: the server away for a minute or four (a 
 upgrade, a stalled controller) must not cost a load, and a report that cannot be written must
 never tear down what it reports on.
 
-Each record is written on a thread of its own, in the context of the task or flow that asked
-(so an artifact still belongs to its flow run). One that fails waits, by its key, for the API to
-answer again: only the latest value of a key is kept (a progress bar needs its last value, not
-every one it missed). The run logs once that the API is away and once that it is back, and
-``flush`` at the end waits for what is still pending (the summary among it), for a while.
+Records are written in order on one thread of the run's, each in the context of the task or
+flow that asked (so an artifact still belongs to its flow run). One that fails waits, by its
+key, for the API to answer again: only the latest value of a key is kept (a progress bar needs
+its last value, not every one it missed). The run logs once that the API is away and once that
+it is back, and ``flush`` at the end waits for what is still pending (the summary among it), for
+a while.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 from vllm_redeploy.safe_text import one_line
 
 RETRY_S = 3.0  # while the API is away, a pending record is tried this often
+FLUSH_S = 300.0  # at the end, how long a run waits for the API to take what it could not
 # Calls that fail fast and are asked again on our own schedule (RETRY_S here, the lock's POLL_S):
 # with the client's own backoff (2, 4 ... s between tries, 256 s under `serve`, which raises the
 # retries for its runner) the first call after an outage could come minutes after the server.
@@ -45,9 +47,6 @@ def on_own_schedule(fn: Callable[P, T]) -> Callable[P, T]:
             return fn(*args, **kwargs)
 
     return wrapper
-
-
-FLUSH_S = 300.0  # at the end, how long a run waits for the API to take what it could not
 
 
 class Recorder:
