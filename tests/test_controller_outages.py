@@ -32,6 +32,7 @@ from typing import Any
 
 import httpx
 import pytest
+from docker.models.containers import Container
 
 from tests.conftest import keep_for_notes, make_bed
 from tests.test_deployments import deployments_by_name
@@ -71,14 +72,19 @@ def on_own_server(
     return play
 
 
-def group(bed: TestBed) -> dict[str, str]:
-    """Every node's managed containers, name → id: the group a run started."""
+def managed(bed: TestBed, stopped_too: bool = False) -> dict[str, Container]:
+    """Every node's containers of ours, by "node/name"."""
     found = {}
     for node in bed.nodes:
         with contextlib.closing(node.engine.client()) as client:
-            for c in client.containers.list(filters={"label": LABEL_MANAGED}):
-                found[f"{node.name}/{c.name}"] = c.id
+            for c in client.containers.list(all=stopped_too, filters={"label": LABEL_MANAGED}):
+                found[f"{node.name}/{c.name}"] = c
     return found
+
+
+def group(bed: TestBed) -> dict[str, str]:
+    """The running group, name → id: the group a run started."""
+    return {name: c.id for name, c in managed(bed).items()}
 
 
 def said(log: Path, text: str) -> bool:
@@ -276,12 +282,7 @@ def a_500_to_the_summary_write(tmp_path: Path, prefect_api: str) -> None:
 
 
 def running(bed: TestBed) -> dict[str, bool]:
-    found = {}
-    for node in bed.nodes:
-        with contextlib.closing(node.engine.client()) as client:
-            for c in client.containers.list(all=True, filters={"label": LABEL_MANAGED}):
-                found[f"{node.name}/{c.name}"] = c.status == "running"
-    return found
+    return {name: c.status == "running" for name, c in managed(bed, stopped_too=True).items()}
 
 
 def engine_ids(bed: TestBed) -> dict[str, str]:
