@@ -7,6 +7,7 @@ cacheable), and connections are opened inside tasks and reused through the run's
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,18 +25,39 @@ from vllm_redeploy.nodes import (
 )
 
 
+class Connections:
+    """One ``NodeAccess`` per node, opened on first use and shared by the run's tasks.
+
+    A plain class, not a dataclass or a mapping, on purpose: Prefect walks every task's inputs
+    (dataclass fields, dicts) as it creates the task run, and a table that another task's thread
+    is filling would break that walk ("dictionary changed size during iteration").
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[str, NodeAccess] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str, open_: Callable[[], NodeAccess]) -> NodeAccess:
+        with self._lock:
+            if name not in self._open:
+                self._open[name] = open_()
+            return self._open[name]
+
+    def close(self) -> None:
+        with self._lock:
+            for access in self._open.values():
+                access.close()
+            self._open.clear()
+
+
 @dataclass
 class Run:
     config: ClusterConfig
     records: Recorder = field(default_factory=Recorder)  # what it tells the Prefect server
-    _nodes: dict[str, NodeAccess] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    connections: Connections = field(default_factory=Connections)
 
     def node(self, name: str) -> NodeAccess:
-        with self._lock:
-            if name not in self._nodes:
-                self._nodes[name] = NodeAccess(self.node_config(name), self.config)
-            return self._nodes[name]
+        return self.connections.get(name, lambda: NodeAccess(self.node_config(name), self.config))
 
     def node_config(self, name: str) -> NodeConfig:
         return next(n for n in self.config.nodes if n.name == name)
@@ -45,10 +67,7 @@ class Run:
         return self.node(self.config.head.name)
 
     def close(self) -> None:
-        with self._lock:
-            for access in self._nodes.values():
-                access.close()
-            self._nodes.clear()
+        self.connections.close()
 
     def __reduce__(self) -> Any:
         # Task inputs may be serialized (cache keys, result records); connections must not be.
