@@ -16,9 +16,10 @@ from prefect.events.schemas.events import ResourceSpecification
 from prefect.schedules import Cron
 from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
+from vllm_redeploy import PROJECT
 from vllm_redeploy.config import CONFIG_VARIABLE, ClusterConfig
 from vllm_redeploy.events import EVENT_CLUSTER_REBOOTED, EVENT_UNHEALTHY, RESOURCE_LABEL_CLUSTER
-from vllm_redeploy.names import deployment_name
+from vllm_redeploy.names import cluster_tag, deployment_name
 
 NIGHTLY_CRON = "0 4 * * *"
 NIGHTLY_TIMEZONE = "UTC"  # explicit: the schedule must not move with the controller's locale
@@ -62,7 +63,7 @@ def deployment_specs(config: ClusterConfig, config_path: Path) -> list[dict[str,
     """Keyword arguments of ``flow.to_deployment`` for nightly, after-reboot, recover, manual.
     ``config_path`` is shown in the UI's form; a run that names another file is refused."""
     params = {"config_path": str(config_path.resolve())}
-    tags = ["vllm-redeploy", f"cluster:{config.name}"]
+    tags = [PROJECT, cluster_tag(config.name)]
     return [
         {
             "name": deployment_name(config.name, "nightly"),

@@ -2,7 +2,8 @@
 
 First: change nothing when the cluster is paused or crash-looping (see tasks/guard.py); a
 recovery waits its backoff. Then, for the whole run, hold the cluster, so no other run of it
-(nightly, after-reboot, recover, manual) touches its nodes meanwhile.
+(nightly, after-reboot, recover, manual) touches its nodes meanwhile. A pause taken while the
+run waits or works is read again before every step that changes the nodes.
 0. Preflight: every node reachable (late ones waited for), Docker, image, model, fabric IP and
    fabric (interfaces, RDMA HCAs). A node that lacks the source node's image or model files
    gets them (sync). Pick the launch backend from what the image holds. Then
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Literal
 
@@ -36,14 +37,14 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.events import emit_event
 from prefect.futures import wait
 from prefect.runtime import deployment
-from prefect.states import Completed, State
+from prefect.states import Cancelled, Completed, State
 
 from tasks.cache_dir import own_cache_dir
 from tasks.context import Run, StepFailed, log
 from tasks.diagnostics import collect_diagnostics
 from tasks.fabric_reach import judge_reach, pick_port, reach_from
 from tasks.gpus_clear import wait_gpus_clear
-from tasks.guard import Trigger, guard_run
+from tasks.guard import HandsOff, Trigger, guard_run, stand
 from tasks.inspect_deployment import inspect_deployment
 from tasks.launch import launch_phase
 from tasks.memory import make_memory_free
@@ -54,6 +55,7 @@ from tasks.records import FLUSH_S
 from tasks.standing.lock import Hold, cluster_lock
 from tasks.standing.marks import clear_crashloop
 from tasks.standing.recoveries import SKIPPED, UNCHANGED
+from tasks.standing.runs import tag_this_run
 from tasks.stop_autostart import stop_autostart
 from tasks.sync import sync_node
 from tasks.teardown import teardown_group
@@ -76,9 +78,11 @@ class Steps:
     """Times each step, remembers which one is running (for the failure message) and reports
     its progress to whoever listens in this process (``vllm_redeploy.summary.report``)."""
 
-    def __init__(self, summary: RunSummary) -> None:
+    def __init__(self, summary: RunSummary, stand: Callable[[], None]) -> None:
         self.summary = summary
+        self.stand = stand  # raises HandsOff once the cluster is paused (tasks/guard.py)
         self.current = "start"
+        self.changed = False  # a step that changes the nodes has begun
         self.launching = False  # the group's first container may be up: a failure removes it
         self.served = False  # the probe passed: nothing after it removes the group
         self.hold: Hold | None = None
@@ -95,9 +99,15 @@ class Steps:
 
     def change(self, name: str, fn: Any, *args: Any) -> Any:
         """A step that changes the nodes: it starts only while this run still holds the
-        cluster (another may have taken it while the Prefect server was away)."""
+        cluster (another may have taken it while the Prefect server was away) and nobody has
+        paused it since."""
         if self.hold is not None:
             self.hold.confirm()
+        try:
+            self.stand()
+        except HandsOff as exc:
+            raise HandsOff(exc.reason, before=name) from None
+        self.changed = True
         return self(name, fn, *args)
 
     @contextmanager
@@ -175,6 +185,7 @@ def redeploy_vllm_cluster(
         log().error("failed at config: %s", reason)
         raise StepFailed("config", reason) from None
     run = Run(config)
+    run.records.record("tags", lambda: tag_this_run(config.name))  # what `pause` finds it by
     summary = RunSummary(
         config.name,
         mode,
@@ -183,8 +194,9 @@ def redeploy_vllm_cluster(
         model=config.vllm.served_name,
         image=config.vllm.image,
     )
-    step = Steps(summary)
+    step = Steps(summary, lambda: stand(run, trigger, override_pause))
     handled: BaseException | None = None
+    stopped: HandsOff | None = None
     try:
         guard = step("guard", guard_run, run, trigger, override_pause)
         if guard.skip is not None:
@@ -193,11 +205,16 @@ def redeploy_vllm_cluster(
             return Completed(name=SKIPPED, message=guard.skip, data=data)
         with step.holding("cluster-lock", cluster_lock(config)):
             try:
+                step.stand()  # paused while this run waited for the cluster or its backoff
                 _runbook(run, mode, step)
+            except HandsOff as exc:
+                stopped = exc
             except BaseException as exc:  # a cancellation too: the same clean-up as a failure
                 handled = exc  # reported while the cluster is still held: nobody else starts
                 _fail(run, summary, *_explain(exc, step.current), keep_on_failure, step)
                 raise
+        if stopped is not None:
+            return _hands_off(run, step, stopped)
         if trigger == "manual":
             _clear_crashloop(config.name)
         result = _finish(run, summary)
@@ -213,6 +230,22 @@ def redeploy_vllm_cluster(
     finally:
         _flush(run)
         run.close()
+
+
+def _hands_off(run: Run, step: Steps, stopped: HandsOff) -> State:
+    """The end of a run whose cluster was paused after its guard: Skipped if it had changed
+    nothing yet, else Cancelled before its next change, leaving the nodes as they are."""
+    summary = step.summary
+    if not step.changed:
+        log().warning("changing nothing: %s", stopped.reason)
+        summary.action = f"skipped: {stopped.reason}"
+        data = _finish(run, summary, event=False)
+        return Completed(name=SKIPPED, message=stopped.reason, data=data)
+    said = f"stopped before {stopped.before}, leaving the nodes as they are: {stopped.reason}"
+    log().warning("%s", said)
+    summary.action = said
+    _finish(run, summary, event=False)
+    return Cancelled(message=said)
 
 
 def _runbook(run: Run, mode: Mode, step: Steps) -> None:

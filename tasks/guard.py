@@ -17,7 +17,13 @@ two through (seen once across a controller restart: the stopping watcher flushed
 the new one reported the same failure again). A recovery left running by a killed controller
 holds the next ones back until Prefect marks it Crashed, as it holds back the watcher.
 
-The guard runs before the run takes the cluster: a waiting recovery holds nothing.
+The guard runs before the run takes the cluster: a waiting recovery holds nothing. A pause (or a
+crash-loop mark) can come while a run waits for the cluster, sleeps its backoff, or works: the
+run reads the standing again once it holds the cluster and before every step that changes the
+nodes (``stand``). Paused before its first change, it ends Skipped; paused later, it finishes the
+step in flight and stops there, Cancelled, leaving the nodes as they are: a pause means a
+person's hands are on them, and a run that went on launching (or tore down what it started)
+would work against them.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 
 from tasks.context import Run, log
+from tasks.records import on_own_schedule
 from tasks.standing.marks import read_standing
 from tasks.standing.recoveries import (
     RECOVER,
@@ -38,6 +45,7 @@ from tasks.standing.recoveries import (
     pace,
     recovery_under_way,
 )
+from vllm_redeploy.safe_text import one_line
 from vllm_redeploy.watch import backoff_s
 
 Trigger = Literal["manual", "nightly", "after-reboot", "recover"]
@@ -49,18 +57,47 @@ class Guard:
     waited_s: float = 0.0
 
 
+class HandsOff(Exception):
+    """The cluster was paused (or marked crash-looping) after this run's guard."""
+
+    def __init__(self, reason: str, before: str = "") -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.before = before  # the step this run did not start
+
+
 # Not cached: the standing is only true now.
 @task(name="guard", cache_policy=NO_CACHE)
 def guard_run(run: Run, trigger: Trigger, override_pause: bool) -> Guard:
-    cluster = run.config.name
-    standing = read_standing(cluster)
-    if standing.pause is not None and (trigger != "manual" or not override_pause):
-        return _skip(standing.pause.describe())
-    if standing.crashloop is not None and trigger != "manual":
-        return _skip(standing.crashloop.describe())
+    reason = _unwelcome(run.config.name, trigger, override_pause)
+    if reason is not None:
+        return _skip(reason)
     if trigger != RECOVER:
         return Guard(None)
     return _pace(run)
+
+
+def stand(run: Run, trigger: Trigger, override_pause: bool) -> None:
+    """Raise HandsOff if the cluster was paused or marked crash-looping since the guard. The
+    Prefect API away goes on: the run has just confirmed its hold there, and a pause cannot be
+    written while the server is away."""
+    try:
+        reason = on_own_schedule(_unwelcome)(run.config.name, trigger, override_pause)
+    except Exception as exc:
+        log().warning("could not read the cluster's pause and crash-loop mark: %s", one_line(exc))
+        return
+    if reason is not None:
+        raise HandsOff(reason)
+
+
+def _unwelcome(cluster: str, trigger: Trigger, override_pause: bool) -> str | None:
+    """Why the cluster's standing keeps this run's hands off it; None when it does not."""
+    standing = read_standing(cluster)
+    if standing.pause is not None and (trigger != "manual" or not override_pause):
+        return standing.pause.describe()
+    if standing.crashloop is not None and trigger != "manual":
+        return standing.crashloop.describe()
+    return None
 
 
 def _pace(run: Run) -> Guard:

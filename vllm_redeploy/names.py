@@ -58,3 +58,8 @@ def webhook_path(cluster: str) -> str:
     """Where the reboot webhook takes ``cluster``'s notices: ``/clusters/bed`` (+ ``/reboot``);
     the name's alphabet needs no URL quoting."""
     return f"/clusters/{cluster}"
+
+
+def cluster_tag(cluster: str) -> str:
+    """The tag every flow run of ``cluster`` carries, however it was started: ``cluster:bed``."""
+    return f"cluster:{cluster}"

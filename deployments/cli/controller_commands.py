@@ -71,14 +71,22 @@ def pause(
     ] = None,
     config: ConfigOption = Path("cluster.toml"),
 ) -> None:
-    """Maintenance: nothing automatic touches the cluster (watcher, recover, reboot, nightly)."""
+    """Maintenance: nothing automatic touches the cluster (watcher, recover, reboot, nightly),
+    and the runs under way change nothing more; says what each of them does."""
     cluster = load_or_exit(config)
     seconds = _duration_s(for_) if for_ else None
     from tasks.standing.marks import pause as pause_cluster
+    from tasks.standing.runs import runs_at_hand
 
     with controller_or_exit([cluster], [config], "pause"):
         paused = pause_cluster(cluster.name, reason, seconds)
-    out.print(f"{cluster.name}: {for_terminal(paused.describe())}", markup=False, highlight=False)
+        runs = runs_at_hand(cluster.name)
+    said = f"{cluster.name}: {for_terminal(paused.describe())}"
+    out.print(said, markup=False, highlight=False, soft_wrap=True)
+    for run in runs:
+        out.print(f"  {for_terminal(run.line())}", markup=False, highlight=False, soft_wrap=True)
+    if not runs:
+        out.print("  no run of it is under way", markup=False, highlight=False)
 
 
 @app.command()

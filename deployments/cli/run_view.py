@@ -79,6 +79,8 @@ def run_command(
 
 def _run(cluster: ClusterConfig, config: Path, mode: str, keep_on_failure: bool) -> None:
     """The flow once, shown as it goes; its failure in words (exit 1)."""
+    from prefect.exceptions import CancelledRun
+
     from flows.redeploy import redeploy_vllm_cluster
     from tasks.context import StepFailed
 
@@ -93,6 +95,10 @@ def _run(cluster: ClusterConfig, config: Path, mode: str, keep_on_failure: bool)
         raise typer.Exit(EXIT_UNREACHABLE) from None
     except RemoteError as exc:
         err.print("[bold red]failed[/]: ", end="", highlight=False)
+        err.print(for_terminal(exc), markup=False, highlight=False)
+        raise typer.Exit(EXIT_UNREACHABLE) from None
+    except CancelledRun as exc:  # paused while it worked: not served, and not a failure
+        err.print("[bold yellow]cancelled[/]: ", end="", highlight=False)
         err.print(for_terminal(exc), markup=False, highlight=False)
         raise typer.Exit(EXIT_UNREACHABLE) from None
     markdown = for_terminal(result.get("summary") or f"# {result['cluster']}: {result['action']}\n")

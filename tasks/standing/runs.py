@@ -1,0 +1,83 @@
+"""The runs of a cluster under way now: the one holding it and those waiting for it (or asleep in
+a recovery's backoff), and what a pause does to each (`vllm-redeploy pause` prints it).
+
+Every run tags itself with its cluster (``cluster:<name>``) as it starts, whatever started it (a
+deployment's runs carry the tag already; ``vllm-redeploy run`` and a direct call do not).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prefect import get_client, runtime
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+    FlowRunFilterTags,
+)
+from prefect.client.schemas.objects import FlowRun, StateType
+from prefect.client.schemas.sorting import FlowRunSort
+
+from tasks.standing.lock import Record
+from vllm_redeploy import PROJECT
+from vllm_redeploy.names import cluster_tag
+
+UNDER_WAY = [StateType.PENDING, StateType.RUNNING]
+
+
+@dataclass(frozen=True)
+class RunAtHand:
+    """A run of the cluster under way, as a person reads it."""
+
+    name: str
+    trigger: str  # nightly, after-reboot, recover, manual
+    holds: bool  # it holds the cluster now
+    overrides: bool  # a manual run started with override_pause: a pause does not stop it
+
+    def under_pause(self) -> str:
+        """What this run does now that the cluster is paused."""
+        if self.overrides:
+            return "goes on: a manual run started with override_pause"
+        if self.holds:
+            return (
+                "finishes the step it is in, then changes nothing more (Cancelled, the nodes "
+                "left as they are; Skipped if it changed nothing yet)"
+            )
+        return "ends Skipped when it gets the cluster, changing nothing"
+
+    def line(self) -> str:
+        role = "holds the cluster" if self.holds else "waits"
+        return f"flow run {self.name} ({self.trigger}) {role}: {self.under_pause()}"
+
+
+def tag_this_run(cluster: str) -> None:
+    """Tag the running flow run with its cluster (what ``runs_at_hand`` finds it by)."""
+    tags = set(runtime.flow_run.tags or ())
+    wanted = {PROJECT, cluster_tag(cluster)}
+    if runtime.flow_run.id is None or wanted <= tags:
+        return
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(runtime.flow_run.id, tags=sorted(tags | wanted))
+
+
+def runs_at_hand(cluster: str) -> list[RunAtHand]:
+    """The cluster's runs under way, the holder first."""
+    holder = Record.read(cluster)
+    held_by = holder.flow_run_id if holder is not None and not holder.released else None
+    with get_client(sync_client=True) as client:
+        found = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                tags=FlowRunFilterTags(all_=[cluster_tag(cluster)]),
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=UNDER_WAY)),
+            ),
+            sort=FlowRunSort.START_TIME_ASC,
+        )
+    runs = [_at_hand(run, str(run.id) == held_by) for run in found]
+    return sorted(runs, key=lambda r: not r.holds)
+
+
+def _at_hand(run: FlowRun, holds: bool) -> RunAtHand:
+    trigger = str(run.parameters.get("trigger") or "manual")
+    overrides = trigger == "manual" and bool(run.parameters.get("override_pause"))
+    return RunAtHand(run.name, trigger, holds, overrides)

@@ -1,0 +1,215 @@
+"""Hands off when told (issue 49), on a bed against the session's real Prefect server: a pause
+taken while runs wait for the cluster, sleep a recovery's backoff, or work, stops each of them
+before its next change, and `pause` says what each will do."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flows.redeploy import redeploy_vllm_cluster
+from tests.conftest import make_bed
+from tests.test_cluster_lock import events, run_cli
+from tests.test_deployments import api
+from tests.testbed.bed import TestBed
+from tests.testbed.procs import wait_until
+from vllm_redeploy.names import cluster_tag, deployment_name
+from vllm_redeploy.nodes.containers import LABEL_MANAGED, cluster_labels
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
+BIN = Path(sys.executable).parent
+REASON = "investigating the flapping"
+
+
+@pytest.fixture(scope="module")
+def bed(prefect_api: str) -> Iterator[TestBed]:
+    bed = make_bed(2, "h200", first_ip=225)
+    yield bed
+    bed.down()
+
+
+@pytest.fixture(autouse=True)
+def no_group_left(bed: TestBed) -> Iterator[None]:
+    """Each test starts from no group of ours on the bed's GPUs, and leaves none."""
+    yield
+    for node in bed.nodes:
+        with contextlib.closing(node.engine.client()) as client:
+            for c in client.containers.list(all=True, filters={"label": LABEL_MANAGED}):
+                c.remove(force=True)
+
+
+def cli(prefect_api: str, path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {"PREFECT_API_URL": prefect_api, "PATH": "/usr/bin:/bin"}
+    return subprocess.run(
+        [str(BIN / "vllm-redeploy"), *args, "--config", str(path)],
+        capture_output=True, text=True, timeout=90, env=env,
+    )  # fmt: skip
+
+
+def pause(prefect_api: str, path: Path) -> list[str]:
+    done = cli(prefect_api, path, "pause", "--reason", REASON)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def ours(bed: TestBed, cluster: str) -> dict[str, list[str]]:
+    """Per node, the ids of this cluster's containers of ours."""
+    labels = [f"{k}={v}" for k, v in cluster_labels(cluster).items()]
+    found = {}
+    for node in bed.nodes:
+        with contextlib.closing(node.engine.client()) as client:
+            listed = client.containers.list(all=True, filters={"label": labels})
+            found[node.name] = sorted(c.id for c in listed)
+    return found
+
+
+def runs_of(prefect_api: str, cluster: str) -> list[dict[str, Any]]:
+    body = {"flow_runs": {"tags": {"all_": [cluster_tag(cluster)]}}, "sort": "START_TIME_ASC"}
+    return api(prefect_api, "POST", "/flow_runs/filter", body)
+
+
+def test_a_run_waiting_for_the_cluster_when_it_is_paused_changes_nothing(
+    prefect_api: str, bed: TestBed
+) -> None:
+    """H holds the cluster through a load; W waits for it; a person pauses. `pause` names both
+    and what each does; H, past its last change, serves; W gets the cluster, changes nothing and
+    ends Skipped naming the pause."""
+    cluster = f"waited{uuid.uuid4().hex[:6]}"
+    path = bed.write_config(
+        bed.root / "waited.toml", name=cluster, vllm={"env": {"VRD_LOAD_SECONDS": "30"}}
+    )
+    log_h, log_w = bed.root / "holder.log", bed.root / "waiter.log"
+    holder = run_cli(path, prefect_api, log_h)
+    waiter = None
+    try:
+        wait_until(lambda: "step wait-ready" in log_h.read_text(), 120, "H loading", log_h)
+        waiter = run_cli(path, prefect_api, log_w)
+        wait_until(lambda: "step cluster-lock" in log_w.read_text(), 60, "W waiting", log_w)
+        wait_until(lambda: len(runs_of(prefect_api, cluster)) == 2, 30, "both runs tagged")
+        h, w = runs_of(prefect_api, cluster)
+        said = pause(prefect_api, path)
+        assert said[0].startswith(f"{cluster}: paused by ") and said[0].endswith(REASON), said
+        assert said[1:] == [
+            f"  flow run {h['name']} (manual) holds the cluster: finishes the step it is in, "
+            "then changes nothing more (Cancelled, the nodes left as they are; Skipped if it "
+            "changed nothing yet)",
+            f"  flow run {w['name']} (manual) waits: ends Skipped when it gets the cluster, "
+            "changing nothing",
+        ], said
+        assert holder.wait(timeout=120) == 0, log_h.read_text()[-3000:]
+        served = ours(bed, cluster)
+        assert all(served.values()), served
+        assert waiter.wait(timeout=60) == 0, log_w.read_text()[-3000:]
+    finally:
+        for proc in (holder, waiter):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+        cli(prefect_api, path, "resume")
+    (w_end,) = [r for r in runs_of(prefect_api, cluster) if r["id"] == w["id"]]
+    assert w_end["state_name"] == "Skipped", w_end["state"]
+    assert REASON in w_end["state"]["message"] and "paused by " in w_end["state"]["message"]
+    text = log_w.read_text()
+    assert "step preflight" not in text and "step stop-autostart" not in text, text[-3000:]
+    assert ours(bed, cluster) == served  # W started, stopped and removed nothing
+
+
+def test_a_holder_paused_mid_run_stops_before_its_next_change(
+    prefect_api: str, bed: TestBed
+) -> None:
+    """H waits in gpus-clear for a stray process; a person pauses; the process goes: H makes no
+    further change, tears nothing down, reports no failure, and ends Cancelled naming the step it
+    did not start and the pause."""
+    cluster = f"midrun{uuid.uuid4().hex[:6]}"
+    path = bed.write_config(
+        bed.root / "midrun.toml",
+        name=cluster,
+        vllm={"env": {"VRD_LOAD_SECONDS": "1"}},
+        deadlines={"gpu_release_s": 90},
+    )
+    log = bed.root / "midrun.log"
+    stray = bed.nodes[1].hold_gpu(20998, "python3")
+    proc = run_cli(path, prefect_api, log)
+    try:
+        wait_until(lambda: "step gpus-clear" in log.read_text(), 120, "H in gpus-clear", log)
+        said = pause(prefect_api, path)
+        assert len(said) == 2 and " holds the cluster: finishes the step it is in" in said[1]
+        stray.kill()
+        assert proc.wait(timeout=120) == 1, log.read_text()[-3000:]
+    finally:
+        for p in (stray, proc):
+            if p.poll() is None:
+                p.kill()
+        cli(prefect_api, path, "resume")
+    text = log.read_text()
+    assert "cancelled: stopped before memory, leaving the nodes as they are: paused by " in text
+    assert "step memory" not in text and "step launch" not in text, text[-3000:]
+    (run,) = runs_of(prefect_api, cluster)
+    assert run["state_type"] == "CANCELLED", run["state"]
+    assert run["state"]["message"].startswith("stopped before memory, leaving the nodes as they")
+    assert REASON in run["state"]["message"]
+    assert ours(bed, cluster) == {n.name: [] for n in bed.nodes}  # nothing started, none removed
+    assert not events(prefect_api, "vllm.cluster.failed", f"vllm-redeploy.cluster.{cluster}")
+
+
+def said_by(prefect_api: str, flow_run_id: str, words: str) -> bool:
+    body = {"logs": {"flow_run_id": {"any_": [flow_run_id]}}}
+    return any(
+        words in entry["message"] for entry in api(prefect_api, "POST", "/logs/filter", body)
+    )
+
+
+def past_recovery(prefect_api: str, cluster: str) -> None:
+    """A recovery of the cluster that acted and failed just now, in Prefect's own history (what
+    the guard counts): a run of the ``<cluster>-recover`` deployment, Running then Failed."""
+    flow = api(prefect_api, "POST", "/flows/", {"name": "redeploy-vllm-cluster"})
+    tags = ["vllm-redeploy", cluster_tag(cluster), "recover"]  # as deployments/definitions.py
+    body = {"name": deployment_name(cluster, "recover"), "flow_id": flow["id"], "tags": tags}
+    deployment = api(prefect_api, "POST", "/deployments/", body)
+    run = api(prefect_api, "POST", f"/deployments/{deployment['id']}/create_flow_run", {})
+    for state in ({"type": "RUNNING"}, {"type": "FAILED", "message": "wait-ready: it died"}):
+        api(prefect_api, "POST", f"/flow_runs/{run['id']}/set_state", {"state": state})
+
+
+def test_a_recovery_asleep_in_its_backoff_when_it_is_paused_changes_nothing(
+    prefect_api: str, bed: TestBed
+) -> None:
+    cluster = f"backoff{uuid.uuid4().hex[:6]}"
+    path = bed.write_config(
+        bed.root / "backoff.toml", name=cluster, watch={"backoff_s": 20, "max_recoveries": 3}
+    )
+    past_recovery(prefect_api, cluster)
+    found: dict[str, Any] = {}
+    recovery = threading.Thread(  # in this context: its settings name the session's server
+        target=contextvars.copy_context().run,
+        args=(
+            lambda: found.update(
+                state=redeploy_vllm_cluster(
+                    str(path), "ensure", trigger="recover", return_state=True
+                )
+            ),
+        ),
+    )
+    recovery.start()
+    wait_until(lambda: len(runs_of(prefect_api, cluster)) == 2, 30, "the recovery tagged")
+    this = runs_of(prefect_api, cluster)[-1]["id"]
+    wait_until(lambda: said_by(prefect_api, this, "in the window: waiting"), 30, "its backoff")
+    said = pause(prefect_api, path)
+    recovery.join(timeout=120)
+    cli(prefect_api, path, "resume")
+    assert said[1].endswith("(recover) waits: ends Skipped when it gets the cluster, changing "
+                            "nothing"), said  # fmt: skip
+    state = found["state"]
+    assert state.name == "Skipped", state
+    assert REASON in (state.message or "") and "paused by " in (state.message or "")
+    steps = state.result()["steps"]
+    assert steps["guard"] >= 15, steps  # it slept its backoff, then read the pause again
+    assert "preflight" not in steps and "inspect" not in steps, steps
