@@ -112,6 +112,25 @@ def test_a_live_holder_is_waited_for_even_with_its_slot_free(
     assert active(prefect_api, cluster) == 0  # it let go of the slot it got meanwhile
 
 
+def test_a_holder_whose_clock_is_behind_is_not_taken_for_gone(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """A manual run from a laptop whose clock is 200 s behind writes beats that read 200 s old
+    on the controller's clock. Its record is as fresh as the server says it is: the watcher
+    counts the cluster busy, and a waiting run waits past the time a stale beat would be judged
+    by the clock (AFTER_OUTAGE_S, then lease_s + 30 s) until its own wait_s."""
+    cluster = f"behind{uuid.uuid4().hex[:6]}"
+    ensure_cluster_lock(cluster)
+    behind = (datetime.now(UTC) - timedelta(seconds=200)).isoformat(timespec="seconds")
+    Record(a_flow_run(), "laptop-run", since=behind, beat=behind).write(cluster)
+    config = load_config(cluster_file(tmp_path, cluster, wait_s=16), env_file=None)
+    seen = holder(config)
+    assert seen is not None and seen.flow_run_name == "laptop-run"
+    assert seen.age_s() < 10, seen  # the server's clock: written just now
+    with pytest.raises(StepFailed, match=r"held the cluster .*flow run laptop-run"):
+        take_the_cluster(str(cluster_file(tmp_path, cluster, wait_s=16)))
+
+
 def test_a_holder_whose_lease_was_dropped_takes_a_slot_back(
     prefect_api: str, tmp_path: Path
 ) -> None:
@@ -161,9 +180,14 @@ def test_a_holder_marked_crashed_that_still_beats_is_waited_for(
 def test_a_crashed_holder_whose_beat_is_older_than_the_lease_is_gone(
     prefect_api: str, tmp_path: Path
 ) -> None:
+    """A record is as old as the server says (its clock, not the writer's): the dead holder's
+    last beat is left to age past the lease (60 s) on the server."""
     cluster = f"dead{uuid.uuid4().hex[:6]}"
     slot_without_lease(cluster)
-    beat = (datetime.now(UTC) - timedelta(seconds=75)).isoformat(timespec="seconds")  # lease 60
-    Record(a_flow_run("CRASHED"), "dead-run", since=beat, beat=beat).write(cluster)
+    Record(a_flow_run("CRASHED"), "dead-run", since=_now(), beat=_now()).write(cluster)
+    deadline = time.monotonic() + 90
+    while (record := Record.read(cluster)) is not None and record.age_s() < 61:
+        assert time.monotonic() < deadline, record
+        time.sleep(1)
     waited = take_the_cluster(str(cluster_file(tmp_path, cluster)))
     assert waited < 5, waited

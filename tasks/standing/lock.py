@@ -29,8 +29,9 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from uuid import UUID
 
 import httpx
@@ -55,7 +56,7 @@ STEP = "cluster-lock"
 POLL_S = 2.0  # a waiting run asks this often: the next run starts within seconds of the last
 BEAT_S = 10.0  # the holder renews its lease and its record this often
 SAY_EVERY_S = 30.0  # while waiting, who holds the cluster is logged this often
-CLOCK_SLACK_S = 30.0  # a beat this much older than lease_s is stale by the clock alone
+CLOCK_SLACK_S = 30.0  # a record this much older than lease_s (server clock) is stale by age alone
 # ...once the server has answered this long: a live holder beats again within BEAT_S, its
 # failed beats being retried every POLL_S: its calls fail fast (tasks/records.py,
 # on_own_schedule), so nothing waits in the client's backoff for minutes after an outage.
@@ -73,17 +74,33 @@ class Record:
     beat: str = ""  # the holder's last renewal, ISO 8601 UTC
     lease_id: str = ""
     released: bool = False
+    # Not stored: how long ago the record was written, measured when it was read (age_s).
+    written_s_ago: float | None = field(default=None, compare=False)
 
     @classmethod
     def read(cls, cluster: str) -> Record | None:
-        value = Variable.get(variable_name(cluster, "lock_holder"))
+        with get_client(sync_client=True) as client:
+            try:
+                response = client.request(
+                    "GET",
+                    "/variables/name/{name}",
+                    path_params={"name": variable_name(cluster, "lock_holder")},
+                )
+            except httpx.HTTPStatusError as exc:
+                if exc.response.status_code == 404:
+                    return None
+                raise
+        found = response.json()
+        value = found.get("value")
         if not isinstance(value, dict) or not value.get("flow_run_id"):
             return None
-        fields = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in value.items() if k in fields})
+        fields = {k for k in cls.__dataclass_fields__ if k != "written_s_ago"}
+        record = cls(**{k: v for k, v in value.items() if k in fields})
+        return replace(record, written_s_ago=_server_age_s(response, found.get("updated")))
 
     def write(self, cluster: str) -> None:
-        Variable.set(variable_name(cluster, "lock_holder"), asdict(self), overwrite=True)
+        stored = {k: v for k, v in asdict(self).items() if k != "written_s_ago"}
+        Variable.set(variable_name(cluster, "lock_holder"), stored, overwrite=True)
 
     def described(self) -> str:
         """`` (flow run NAME of DEPLOYMENT, since T)``."""
@@ -92,10 +109,20 @@ class Record:
         return f" (flow run {self.flow_run_name or self.flow_run_id}{of}{since})"
 
     def age_s(self) -> float:
-        try:
-            return time.time() - datetime.fromisoformat(self.beat).timestamp()
-        except ValueError:
-            return float("inf")
+        """Seconds since the holder last wrote the record, on the Prefect server's clock alone;
+        0 when the server did not say (then only a reader's own watch finds it stale)."""
+        return max(self.written_s_ago or 0.0, 0.0)
+
+
+def _server_age_s(response: httpx.Response, updated: str | None) -> float | None:
+    """The Variable's age by the server's clock: its answer's Date against the time it stored
+    with the Variable. Never the reader's clock against the holder's: a laptop ~140 s behind
+    would make its own live run look gone at once to every other run and to the watcher."""
+    try:
+        now = parsedate_to_datetime(response.headers["date"])
+        return (now - datetime.fromisoformat(str(updated))).total_seconds()
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def ensure_cluster_lock(cluster: str) -> str:
@@ -120,7 +147,7 @@ def ensure_cluster_lock(cluster: str) -> str:
 @on_own_schedule
 def holder(config: ClusterConfig) -> Record | None:
     """The run holding the cluster now, judged as a waiting run judges it at first sight (not
-    released, its flow run not finished, its beat not stale by the clock); None if none."""
+    released, its flow run not finished, not stale by the server's clock); None if none."""
     record = Record.read(config.name)
     if record is None or record.released or record.age_s() >= _stale_after(config.lock.lease_s):
         return None
