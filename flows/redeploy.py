@@ -203,7 +203,8 @@ def redeploy_vllm_cluster(
             summary.action = f"skipped: {guard.skip}"
             data = _finish(run, summary, event=False)
             return Completed(name=SKIPPED, message=guard.skip, data=data)
-        with step.holding("cluster-lock", cluster_lock(config)):
+        with step.holding("cluster-lock", cluster_lock(config)) as hold:
+            run.hold_check = hold.confirm  # before every call that changes a node
             try:
                 step.stand()  # paused while this run waited for the cluster or its backoff
                 _runbook(run, mode, step)
@@ -228,6 +229,7 @@ def redeploy_vllm_cluster(
             raise
         raise StepFailed(*_explain(exc, step.current)) from exc
     finally:
+        run.hold_check = None
         _flush(run)
         run.close()
 
@@ -414,20 +416,15 @@ def _fail(
     log().error("failed at %s: %s", step, reason)
     if reason.startswith("unexpected error"):
         log().error("the unexpected error's traceback", exc_info=True)
-    tear_down = (
-        steps.launching
-        and not steps.served
-        and not keep_on_failure
-        and steps.hold is not None
-        and _still_held(steps, summary)
-    )
+    tear_down = steps.launching and not steps.served and not keep_on_failure
     report(StepEvent(step, "failed", summary.steps.get(step), reason))
     summary.action, summary.failed_step, summary.failure = f"failed at {step}", step, reason
     try:
         collect_diagnostics(run, step, reason)
     except Exception as exc:
         log().warning("could not collect diagnostics: %s", one_line(exc))
-    if tear_down:
+    # Confirmed after the diagnostics, right before the removal: they can take a while.
+    if tear_down and steps.hold is not None and _still_held(steps, summary):
         try:
             removed = teardown_group(run)
         except Exception as exc:

@@ -55,6 +55,15 @@ class Run:
     config: ClusterConfig
     records: Recorder = field(default_factory=Recorder)  # what it tells the Prefect server
     connections: Connections = field(default_factory=Connections)
+    # While the run holds the cluster: raises StepFailed once another run has taken it.
+    hold_check: Callable[[], None] | None = None
+
+    def before_change(self) -> None:
+        """Right before a call that changes a node (a unit stopped, a container removed or
+        started): a run that lost the cluster (paused past its lease, and another took it) must
+        not touch what the new holder started, nor retry into it."""
+        if self.hold_check is not None:
+            self.hold_check()
 
     def node(self, name: str) -> NodeAccess:
         return self.connections.get(name, lambda: NodeAccess(self.node_config(name), self.config))

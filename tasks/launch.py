@@ -46,6 +46,7 @@ def start_member(run: Run, member: Member, step: str) -> str:
     """Replace whatever container of that name is left and start this one; its ID."""
     docker = run.node(member.node).docker
     spec = member.spec
+    run.before_change()  # a retry too: a run that lost the cluster removes nothing of the next
     docker.remove(spec.name)
     container_id = docker.run_detached(spec)
     log().info(

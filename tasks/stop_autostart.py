@@ -56,6 +56,8 @@ def stop_autostart(run: Run, name: str) -> StopReport:
     old, ours = access.docker.list_matching_and_labelled(
         config.autostart.containers, cluster_labels(config.name)
     )
+    # A unit's stop can take minutes: what is listed now may be another holder's by then.
+    run.before_change()
     _remove(run, name, {c.name: c for c in [*old, *ours]}.values())
     removed = [c.name for c in old]
     own = [c.name for c in ours if c.name not in removed]
@@ -96,6 +98,8 @@ def _stop_units(run: Run, name: str) -> list[str]:
             runner.run(["systemctl", "is-active", u], check=False).stdout.strip() for u in units
         ]
     running = [u for u, state in zip(units, states, strict=True) if state in ACTIVE_STATES]
+    if running:
+        run.before_change()
     root = access.root()
     with ThreadPoolExecutor(max_workers=max(len(running), 1)) as pool:
         list(pool.map(lambda u: runner.run(root.argv(stop_argv(u)), timeout=120), running))
@@ -108,6 +112,7 @@ def _disable_units(run: Run, name: str) -> list[str]:
     for unit in run.config.autostart.units:
         enabled = access.runner.run(["systemctl", "is-enabled", unit], check=False)
         if enabled.stdout.strip() == "enabled":
+            run.before_change()
             access.runner.run(access.root().argv(disable_argv(unit)), timeout=60)
             disabled.append(unit)
     return disabled

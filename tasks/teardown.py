@@ -16,6 +16,7 @@ from vllm_redeploy.nodes.containers import cluster_labels
 def teardown_group(run: Run) -> dict[str, list[str]]:
     """Remove our containers everywhere; a node that cannot be reached is reported, not fatal."""
     labels = cluster_labels(run.config.name)
+    run.before_change()  # a run that lost the cluster leaves the group to the run that took it
 
     def remove(node) -> list[str]:  # type: ignore[no-untyped-def]
         docker = run.node(node.name).docker

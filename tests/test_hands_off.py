@@ -15,13 +15,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prefect import flow
 
 from flows.redeploy import redeploy_vllm_cluster
+from tasks.context import Run, StepFailed
+from tasks.standing.lock import Record, cluster_lock
+from tasks.stop_autostart import stop_autostart
+from tasks.teardown import teardown_group
 from tests.conftest import make_bed
 from tests.test_cluster_lock import events, run_cli
 from tests.test_deployments import api
+from tests.test_lock_holder import _now, a_flow_run
 from tests.testbed.bed import TestBed
+from tests.testbed.image import OLD_STACK_IMAGE
 from tests.testbed.procs import wait_until
+from vllm_redeploy.config import load_config
 from vllm_redeploy.names import cluster_tag, deployment_name
 from vllm_redeploy.nodes.containers import LABEL_MANAGED, cluster_labels
 
@@ -213,3 +221,49 @@ def test_a_recovery_asleep_in_its_backoff_when_it_is_paused_changes_nothing(
     steps = state.result()["steps"]
     assert steps["guard"] >= 15, steps  # it slept its backoff, then read the pause again
     assert "preflight" not in steps and "inspect" not in steps, steps
+
+
+@flow
+def lose_the_cluster_then(path: str, step: str) -> None:
+    """Take the cluster, lose it to another run (as a holder paused past its lease finds on
+    resuming), then go on with ``step``, as the step in flight would."""
+    config = load_config(path, env_file=None)
+    run = Run(config)
+    with cluster_lock(config) as hold:
+        run.hold_check = hold.confirm
+        Record(a_flow_run(), "next-holder", beat=_now()).write(config.name)
+        try:
+            if step == "stop-autostart":
+                stop_autostart.fn(run, "node-2")
+            else:
+                teardown_group(run)
+        finally:
+            run.close()
+
+
+def test_a_run_that_lost_the_cluster_touches_nothing_the_next_holder_started(
+    prefect_api: str, bed: TestBed
+) -> None:
+    """Every call that changes a node confirms the hold right before it: the step in flight of
+    a run that lost the cluster stops no unit and removes no container (the next holder's own
+    among them), and its tear-down leaves the group to the run that took it."""
+    cluster = f"lost{uuid.uuid4().hex[:6]}"
+    path = bed.write_config(bed.root / "lost.toml", name=cluster)
+    worker = bed.nodes[1]
+    for node in bed.nodes:  # the old stack back, as after a reboot (earlier runs stopped it)
+        with contextlib.closing(node.engine.client()) as client:
+            for c in client.containers.list(all=True, filters={"name": "glm-proxy"}):
+                c.remove(force=True)
+    bed.install_old_stack()
+    labels = {**cluster_labels(cluster), LABEL_MANAGED: "true"}
+    with contextlib.closing(worker.engine.client()) as client:
+        client.containers.run(
+            OLD_STACK_IMAGE, ["sleep", "600"], name=f"{cluster}-next", labels=labels, detach=True
+        )
+    before = worker.running()
+    assert {f"{cluster}-next", "glm-server", "glm-proxy"} <= before, before
+    for step in ("stop-autostart", "teardown"):
+        with pytest.raises(StepFailed, match=r"another run took .*\(flow run next-holder"):
+            lose_the_cluster_then(str(path), step)
+        Record(a_flow_run("COMPLETED"), "next-holder", beat=_now()).write(cluster)  # it ended
+    assert worker.running() == before
