@@ -22,7 +22,7 @@ from tasks.context import Run, StepFailed
 from tasks.standing.lock import Record, cluster_lock
 from tasks.stop_autostart import stop_autostart
 from tasks.teardown import teardown_group
-from tests.conftest import make_bed
+from tests.conftest import keep_for_notes, make_bed
 from tests.test_cluster_lock import events, run_cli
 from tests.test_deployments import api
 from tests.test_lock_holder import _now, a_flow_run
@@ -105,6 +105,7 @@ def test_a_run_waiting_for_the_cluster_when_it_is_paused_changes_nothing(
         wait_until(lambda: len(runs_of(prefect_api, cluster)) == 2, 30, "both runs tagged")
         h, w = runs_of(prefect_api, cluster)
         said = pause(prefect_api, path)
+        keep_for_notes("pause-with-runs", "\n".join(said) + "\n")
         assert said[0].startswith(f"{cluster}: paused by ") and said[0].endswith(REASON), said
         assert said[1:] == [
             f"  flow run {h['name']} (manual) holds the cluster: finishes the step it is in, "

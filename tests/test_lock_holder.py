@@ -14,10 +14,18 @@ from pathlib import Path
 import httpx
 import pytest
 from prefect import flow, get_client
-from prefect.client.schemas.objects import Flow
+from prefect.client.schemas.objects import ConcurrencyLeaseHolder, Flow
 
 from tasks.context import StepFailed
-from tasks.standing.lock import BEAT_S, Record, cluster_lock, ensure_cluster_lock, holder
+from tasks.standing.lock import (
+    BEAT_S,
+    Record,
+    _free,
+    _try_acquire,
+    cluster_lock,
+    ensure_cluster_lock,
+    holder,
+)
 from vllm_redeploy.config import load_config
 from vllm_redeploy.names import lock_name
 
@@ -191,3 +199,34 @@ def test_a_crashed_holder_whose_beat_is_older_than_the_lease_is_gone(
         time.sleep(1)
     waited = take_the_cluster(str(cluster_file(tmp_path, cluster)))
     assert waited < 5, waited
+
+
+@flow
+def free_as(cluster: str, seen: Record, me: str) -> None:
+    with get_client(sync_client=True) as client:
+        _free(client, cluster, seen, me)
+
+
+def test_a_stale_sight_of_a_gone_holder_never_frees_the_next_holders_slot(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """Two runs wait on a gone holder whose slot the server counts without a lease (a restart
+    forgot it). Both saw it gone; the first frees the slot (the one anonymous decrement) and
+    takes the cluster; the second, acting on what it saw a moment before, must not free the
+    first one's slot: the record no longer names the gone holder."""
+    cluster = f"twice{uuid.uuid4().hex[:6]}"
+    slot_without_lease(cluster)
+    Record(a_flow_run("COMPLETED"), "gone-run", since=_now(), beat=_now()).write(cluster)
+    seen = Record.read(cluster)
+    assert seen is not None
+    free_as(cluster, seen, "first-waiter")
+    assert active_now(cluster) == 0
+    with get_client(sync_client=True) as client:
+        holder_ = ConcurrencyLeaseHolder(type="flow_run", id=uuid.uuid4())
+        lease = _try_acquire(client, lock_name(cluster), 60, holder_)
+    assert lease
+    Record(a_flow_run(), "first-waiter", since=_now(), beat=_now(), lease_id=lease).write(cluster)
+    free_as(cluster, seen, "second-waiter")
+    assert active_now(cluster) == 1  # the first waiter's slot, still counted
+    record = Record.read(cluster)
+    assert record is not None and record.flow_run_name == "first-waiter"

@@ -11,7 +11,10 @@ A Prefect server keeps its leases in memory unless told otherwise: restarted, it
 holder's lease while its database still counts the slot as taken. The holder then takes a slot
 back (its record still names it, so no one else goes ahead meanwhile), and a run that finds the
 slot taken frees it itself when the record shows the holder is gone: its flow run finished,
-crashed or deleted, released, or its beat not renewed for ``[lock] lease_s``. A holder whose
+crashed or deleted, released, or its beat not renewed for ``[lock] lease_s`` (on the server's
+clock, or watched that long). A slot counted without a lease is freed by an anonymous decrement,
+which frees whatever slot is counted: one waiting run claims it in the record first, and nobody
+makes it once the record names someone else. A holder whose
 record names another run (it lost the cluster while it could not reach the server for longer
 than ``lease_s``) stops before its next step that changes the nodes: ``Hold.confirm``.
 
@@ -61,6 +64,7 @@ CLOCK_SLACK_S = 30.0  # a record this much older than lease_s (server clock) is 
 # failed beats being retried every POLL_S: its calls fail fast (tasks/records.py,
 # on_own_schedule), so nothing waits in the client's backoff for minutes after an outage.
 AFTER_OUTAGE_S = BEAT_S + 2 * POLL_S
+SETTLE_S = 0.5  # two runs' writes to the record made at once have both landed after this
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class Record:
     beat: str = ""  # the holder's last renewal, ISO 8601 UTC
     lease_id: str = ""
     released: bool = False
+    freed_by: str = ""  # the waiting run that freed the slot of this gone holder
     # Not stored: how long ago the record was written, measured when it was read (age_s).
     written_s_ago: float | None = field(default=None, compare=False)
 
@@ -210,6 +215,10 @@ class Hold:
         with get_client(sync_client=True) as client, contextlib.suppress(Exception):
             _release_lease(client, self.record.lease_id)
         try:
+            current = Record.read(self.config.name)
+            if current is not None and current.flow_run_id != self.record.flow_run_id:
+                log().warning("another run holds the cluster now%s", current.described())
+                return  # its record stays
             replace(self.record, released=True, beat=_now()).write(self.config.name)
         except Exception as exc:  # the next run sees this flow run finished instead
             log().warning("could not mark the cluster released: %s", one_line(exc))
@@ -246,6 +255,9 @@ class Hold:
                 )
         self.record = replace(self.record, beat=_now(), lease_id=lease_id)
         self.record.write(self.config.name)
+        again = Record.read(self.config.name)  # a run that took it meanwhile keeps it
+        if again is not None and again.flow_run_id != self.record.flow_run_id:
+            self.lost = again
 
 
 @contextmanager
@@ -308,7 +320,7 @@ def _wait_for_slot(
                 if lease_id:  # a live holder whose lease the server forgot takes its slot back
                     _release_lease(client, lease_id)
                 elif gone and record is not None:
-                    _free(client, name, record)
+                    _free(client, config.name, record, me)
                     continue
             except Exception as exc:  # the server away: what was seen before says nothing now
                 with contextlib.suppress(Exception):
@@ -414,17 +426,40 @@ def _take_back(
     lease_id = _try_acquire(client, name, config.lock.lease_s, holder)
     if lease_id:
         return lease_id
+    current = Record.read(config.name)  # the slot counted may be a new holder's by now
+    if current is not None and current.flow_run_id != str(holder.id):
+        return ""
     client.release_concurrency_slots(names=[name], slots=1, occupancy_seconds=1.0)
     return _try_acquire(client, name, config.lock.lease_s, holder)
 
 
-def _free(client: SyncPrefectClient, name: str, record: Record) -> None:
-    """Free the slot a gone holder left taken: its lease if the server still has it, else the
-    slot the server counts without a lease."""
+def _free(client: SyncPrefectClient, cluster: str, record: Record, me: str) -> None:
+    """Free the slot a gone holder left taken: its lease if the server still has it; else the
+    slot the server counts without a lease (a restart forgot it), which only an anonymous
+    decrement frees. That one frees whatever slot is counted, a new holder's too, so it is
+    made only while the record is still the gone holder's, and by one waiting run: each
+    claims it in the record, and after a moment only the claim that stayed goes on."""
+    name = lock_name(cluster)
     log().info("the cluster's last holder is gone%s: freeing its slot", record.described())
     _release_lease(client, record.lease_id)
+    if not client.read_global_concurrency_limit_by_name(name).active_slots:
+        return
+    if record.freed_by or not _same(Record.read(cluster), record):
+        return  # another run freed it, or took the cluster since
+    replace(record, released=True, freed_by=me).write(cluster)
+    time.sleep(SETTLE_S)
+    claimed = Record.read(cluster)
+    if claimed is None or claimed.freed_by != me:
+        return
     if client.read_global_concurrency_limit_by_name(name).active_slots:
         client.release_concurrency_slots(names=[name], slots=1, occupancy_seconds=1.0)
+
+
+def _same(now: Record | None, seen: Record) -> bool:
+    def key(r: Record) -> tuple[str, str, bool, str]:
+        return (r.flow_run_id, r.beat, r.released, r.freed_by)
+
+    return now is not None and key(now) == key(seen)
 
 
 def _release_lease(client: SyncPrefectClient, lease_id: str) -> None:
