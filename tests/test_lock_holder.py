@@ -204,7 +204,7 @@ def test_a_crashed_holder_whose_beat_is_older_than_the_lease_is_gone(
 @flow
 def free_as(cluster: str, seen: Record, me: str) -> None:
     with get_client(sync_client=True) as client:
-        _free(client, cluster, seen, me)
+        _free(client, cluster, seen, me, 0.0)
 
 
 def test_a_stale_sight_of_a_gone_holder_never_frees_the_next_holders_slot(

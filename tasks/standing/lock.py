@@ -65,6 +65,7 @@ CLOCK_SLACK_S = 30.0  # a record this much older than lease_s (server clock) is 
 # on_own_schedule), so nothing waits in the client's backoff for minutes after an outage.
 AFTER_OUTAGE_S = BEAT_S + 2 * POLL_S
 SETTLE_S = 0.5  # two runs' writes to the record made at once have both landed after this
+CLAIM_S = 10.0  # a waiting run's claim to free a gone holder's slot, unfinished this long, lapses
 
 
 @dataclass(frozen=True)
@@ -301,7 +302,7 @@ def _wait_for_slot(
     """The lease of the cluster's slot, once its holder is gone; StepFailed after wait_s."""
     started = time.monotonic()
     deadline = started + config.lock.wait_s
-    seen: dict[tuple[str, str] | None, float] = {}  # each record's state, when first seen
+    seen: dict[tuple[str, str, str] | None, float] = {}  # each record's state, when first seen
     said = started
     answering = started  # since when the server has answered without a break
     record: Record | None = None
@@ -311,7 +312,7 @@ def _wait_for_slot(
             try:
                 lease_id = _try_acquire(client, name, config.lock.lease_s, lease_holder)
                 record = Record.read(config.name)
-                key = (record.flow_run_id, record.beat) if record else None
+                key = (record.flow_run_id, record.beat, record.freed_by) if record else None
                 first_seen = seen.setdefault(key, time.monotonic())
                 answered_s = time.monotonic() - answering
                 gone = _gone(client, record, me, config.lock.lease_s, first_seen, answered_s)
@@ -319,9 +320,12 @@ def _wait_for_slot(
                     return lease_id
                 if lease_id:  # a live holder whose lease the server forgot takes its slot back
                     _release_lease(client, lease_id)
-                elif gone and record is not None:
-                    _free(client, config.name, record, me)
-                    continue
+                elif (
+                    gone
+                    and record is not None
+                    and _free(client, config.name, record, me, time.monotonic() - first_seen)
+                ):
+                    continue  # freed: take it at once
             except Exception as exc:  # the server away: what was seen before says nothing now
                 with contextlib.suppress(Exception):
                     _release_lease(client, lease_id)
@@ -433,26 +437,32 @@ def _take_back(
     return _try_acquire(client, name, config.lock.lease_s, holder)
 
 
-def _free(client: SyncPrefectClient, cluster: str, record: Record, me: str) -> None:
+def _free(
+    client: SyncPrefectClient, cluster: str, record: Record, me: str, seen_for_s: float
+) -> bool:
     """Free the slot a gone holder left taken: its lease if the server still has it; else the
     slot the server counts without a lease (a restart forgot it), which only an anonymous
     decrement frees. That one frees whatever slot is counted, a new holder's too, so it is
     made only while the record is still the gone holder's, and by one waiting run: each
-    claims it in the record, and after a moment only the claim that stayed goes on."""
+    claims it in the record, and after a moment only the claim that stayed goes on (a claim
+    left ``CLAIM_S`` by a run that died may be claimed again). True once the slot is free."""
     name = lock_name(cluster)
     log().info("the cluster's last holder is gone%s: freeing its slot", record.described())
     _release_lease(client, record.lease_id)
     if not client.read_global_concurrency_limit_by_name(name).active_slots:
-        return
-    if record.freed_by or not _same(Record.read(cluster), record):
-        return  # another run freed it, or took the cluster since
+        return True
+    if record.freed_by and seen_for_s < CLAIM_S:
+        return False  # another waiting run is freeing it
+    if not _same(Record.read(cluster), record):
+        return False  # another run took the cluster, or claimed the slot, since
     replace(record, released=True, freed_by=me).write(cluster)
     time.sleep(SETTLE_S)
     claimed = Record.read(cluster)
     if claimed is None or claimed.freed_by != me:
-        return
+        return False
     if client.read_global_concurrency_limit_by_name(name).active_slots:
         client.release_concurrency_slots(names=[name], slots=1, occupancy_seconds=1.0)
+    return True
 
 
 def _same(now: Record | None, seen: Record) -> bool:
