@@ -348,6 +348,23 @@ def test_a_run_on_a_temporary_api_says_so_on_its_first_line(
     assert flow_runs_of(prefect_server, cluster.path) == []  # not on the controller's API
 
 
+@pytest.mark.integration
+def test_a_temporary_api_that_does_not_come_up_is_one_paragraph_and_touches_nothing(
+    cluster: Cluster,
+) -> None:
+    """Prefect's own startup wait, which the environment may set, is 0 s here: the temporary
+    server is never waited for, as if it took longer than any wait. The run says so in words."""
+    done = cluster.cli(
+        "run", "--temporary-api", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="0"
+    )
+    assert done.returncode == 1 and done.stdout == "", done.stdout + done.stderr
+    said = " ".join(done.stderr.split())
+    assert "The temporary Prefect API did not come up (Timed out" in said, said
+    assert "nothing was run and no node was touched" in said
+    assert "Traceback" not in said and "stdout:" not in said
+    assert cluster.node.connections == 0
+
+
 # --- the controller as install-controller leaves it: API auth on --------------------------------
 
 AUTH = "vllm-redeploy:" + uuid.uuid4().hex

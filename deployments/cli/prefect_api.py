@@ -193,30 +193,37 @@ def refuse(found: Found, command: str) -> NoReturn:
     raise typer.Exit(EXIT_CONFIG)
 
 
+# Prefect gives its temporary API 20 s to come up; on a busy controller (its database made
+# from nothing, the migrations run) that is not always enough. Prefect's own setting, when
+# the environment sets it, still wins.
+TEMPORARY_START_S = 120
+START_VARIABLE = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+
+
 @contextlib.contextmanager
 def temporary_api(clusters: Sequence[ClusterConfig], paths: Sequence[Path]) -> Iterator[None]:
-    """A throwaway Prefect API of this process (Prefect starts it), said first."""
+    """A throwaway Prefect API of this process, said first. Started here rather than left to
+    Prefect's client, so that one that does not come up is a paragraph, not a traceback, and
+    it takes the place of an API that Prefect's settings still name (a profile,
+    ./prefect.toml)."""
     found = find_api(clusters, paths)
     unused = f" Not used: {found.api.described()}." if found.api is not None else ""
     say(TEMPORARY_NOTICE + unused)
-    # Unset, not empty: Prefect's events client would take "" for a server's address.
-    with talking_to({URL_VARIABLE: None}), _without_configured_api():
-        yield
-
-
-@contextlib.contextmanager
-def _without_configured_api() -> Iterator[None]:
-    """When Prefect's settings still name an API (a profile, ./prefect.toml), the temporary
-    server Prefect would start, started here, in their place."""
-    from prefect.settings import get_current_settings
-
-    if not get_current_settings().api.url:
-        yield
-        return
     from prefect.server.api.server import SubprocessASGIServer
 
     server = SubprocessASGIServer()
-    server.start()  # stopped when the process exits
+    try:
+        # Stopped when the process exits.
+        server.start(timeout=None if os.environ.get(START_VARIABLE) else TEMPORARY_START_S)
+    except RuntimeError as exc:
+        detail = str(exc).split(" stdout:", 1)[0].rstrip(".")
+        say(
+            f"The temporary Prefect API did not come up ({shown(detail)}), so nothing was run "
+            f"and no node was touched. Try again once the controller is less busy, or point "
+            f"the command at the controller's Prefect API ({URL_VARIABLE}) instead of "
+            f"--temporary-api."
+        )
+        raise typer.Exit(EXIT_UNREACHABLE) from None
     with talking_to({URL_VARIABLE: server.api_url}):
         yield
 
