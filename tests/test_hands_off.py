@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +30,7 @@ from tests.test_cluster_lock import events, run_cli
 from tests.test_deployments import api
 from tests.test_lock_holder import _now, a_flow_run
 from tests.testbed.bed import TestBed
-from tests.testbed.image import OLD_STACK_IMAGE
+from tests.testbed.image import OLD_STACK_IMAGE, OLD_STACK_UNIT
 from tests.testbed.procs import wait_until
 from vllm_redeploy.config import load_config
 from vllm_redeploy.names import cluster_tag, deployment_name
@@ -268,3 +271,91 @@ def test_a_run_that_lost_the_cluster_touches_nothing_the_next_holder_started(
             lose_the_cluster_then(str(path), step)
         Record(a_flow_run("COMPLETED"), "next-holder", beat=_now()).write(cluster)  # it ended
     assert worker.running() == before
+
+
+# The worker's glm-server.service (the one unit the bed's sudoers lets the login stop), made a
+# unit whose stop takes 30 s (its ExecStop=): a run stopping it stays inside stop-autostart.
+SLOW_STOP_UNIT = """[Unit]
+Description=a previous stack whose stop takes 30 s
+
+[Service]
+ExecStart=/bin/sleep 999999
+ExecStop=/bin/sleep 30
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def container_events(node: Any, since: float, cluster: str) -> list[tuple[float, str, str]]:
+    """(time, action, name) of each event of this cluster's containers on ``node`` since then."""
+    prefix = f"vllm-redeploy-{cluster}-"
+    with contextlib.closing(node.engine.client()) as client:
+        stream = client.events(
+            since=int(since), until=int(time.time()) + 1, decode=True, filters={"type": "container"}
+        )
+        found = [
+            (e["timeNano"] / 1e9, e["Action"], e["Actor"]["Attributes"].get("name", ""))
+            for e in stream
+        ]
+    return [e for e in found if e[2].startswith(prefix)]
+
+
+def test_a_holder_stopped_inside_stop_autostart_removes_nothing_of_the_run_that_took_over(
+    prefect_api: str, bed: TestBed
+) -> None:
+    """Holder A is stopped (SIGSTOP: a VM pause, swap) while the worker's unit takes 30 s to
+    stop; past its lease B takes the cluster and launches; A is resumed. A's step in flight
+    goes on from where it was, so its next call would remove what it listed: it confirms its
+    hold first, finds B's, and stops. Docker's own events show no kill or removal of B's
+    containers; B serves; A fails naming B."""
+    cluster = f"sigstop{uuid.uuid4().hex[:6]}"
+    worker = bed.nodes[1]
+    worker.systemctl("stop", OLD_STACK_UNIT)
+    worker.write_file(f"/etc/systemd/system/{OLD_STACK_UNIT}", SLOW_STOP_UNIT)
+    assert worker.systemctl("daemon-reload").returncode == 0
+    assert worker.systemctl("start", OLD_STACK_UNIT).returncode == 0
+    path = bed.write_config(
+        bed.root / "sigstop.toml",
+        name=cluster,
+        vllm={"env": {"VRD_LOAD_SECONDS": "1"}},
+        lock={"lease_s": 60},
+    )
+    since = time.time()
+    a = run_cli(path, prefect_api, bed.root / "sigstop-a.log")
+    b: subprocess.Popen[bytes] | None = None
+    try:
+        wait_until(
+            lambda: worker.systemctl("is-active", OLD_STACK_UNIT).stdout.strip() == "deactivating",
+            120,
+            "A stopping the slow unit",
+            bed.root / "sigstop-a.log",
+        )
+        os.killpg(a.pid, signal.SIGSTOP)
+        b = run_cli(path, prefect_api, bed.root / "sigstop-b.log")
+        wait_until(
+            lambda: "step wait-ready" in (bed.root / "sigstop-b.log").read_text(),
+            180,
+            "B holding the cluster past A's lease, and launching",
+            bed.root / "sigstop-b.log",
+        )
+        assert container_events(worker, since, cluster), "B started nothing on the worker"
+        os.killpg(a.pid, signal.SIGCONT)
+        assert b.wait(timeout=120) == 0, (bed.root / "sigstop-b.log").read_text()[-3000:]
+        assert a.wait(timeout=120) == 1, (bed.root / "sigstop-a.log").read_text()[-3000:]
+    finally:
+        for proc in (a, b):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        worker.systemctl("stop", OLD_STACK_UNIT)
+        worker.define_unit(OLD_STACK_UNIT, "glm-server", OLD_STACK_IMAGE, ["sleep", "999999"])
+    events = container_events(worker, since, cluster)
+    created = min(t for t, action, _ in events if action == "create")
+    undone = [e for e in events if e[0] >= created and e[1] in ("kill", "destroy")]
+    assert not undone, events
+    done = {r["state_type"]: r for r in runs_of(prefect_api, cluster)}
+    assert set(done) == {"COMPLETED", "FAILED"}, done
+    said = (bed.root / "sigstop-a.log").read_text()
+    assert f"another run took {cluster} while this one could not renew its hold" in said, said
+    assert f"(flow run {done['COMPLETED']['name']}" in said, said
+    assert ours(bed, cluster)[worker.name], "B's group is not on the worker"

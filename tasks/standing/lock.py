@@ -169,6 +169,7 @@ class Hold:
     ) -> None:
         self.config, self.record, self.holder, self.waited = config, record, holder, waited
         self.lost: Record | None = None  # the run that took the cluster from this one
+        self.renewed = time.monotonic()  # this run's last beat that reached the record
         self._log = log()  # the flow run's logger, for the renewal thread too
         self._stop = threading.Event()
         # In this run's context: its Prefect settings (the API it talks to) and its logger.
@@ -200,12 +201,24 @@ class Hold:
                 self.lost = record
             break
         if self.lost is not None:
-            raise StepFailed(
-                STEP,
-                f"another run took {self.config.name} while this one could not renew its hold "
-                f"for [lock] lease_s = {self.config.lock.lease_s:g} s{self.lost.described()}; "
-                "this run stopped before changing the nodes, and leaves them to that run",
-            )
+            raise StepFailed(STEP, self._loss())
+
+    def _loss(self) -> str:
+        """Why this run no longer holds the cluster, and who does."""
+        assert self.lost is not None
+        unrenewed_s = time.monotonic() - self.renewed
+        lease_s = self.config.lock.lease_s
+        why = (
+            f"while this one could not renew its hold for [lock] lease_s = {lease_s:g} s "
+            f"(its last renewal {unrenewed_s:.0f} s ago: paused, or the Prefect server away)"
+            if unrenewed_s >= lease_s
+            else f"from this one, which renewed its hold {unrenewed_s:.0f} s ago (its record "
+            "was replaced: the cluster freed by hand, or two runs' writes crossed)"
+        )
+        return (
+            f"another run took {self.config.name} {why}{self.lost.described()}; this run "
+            "stopped before changing the nodes, and leaves them to that run"
+        )
 
     @on_own_schedule
     def release(self) -> None:
@@ -256,9 +269,15 @@ class Hold:
                 )
         self.record = replace(self.record, beat=_now(), lease_id=lease_id)
         self.record.write(self.config.name)
-        again = Record.read(self.config.name)  # a run that took it meanwhile keeps it
+        self.read_back()
+
+    def read_back(self) -> None:
+        """After this run wrote the record: a run that wrote it meanwhile keeps the cluster."""
+        again = Record.read(self.config.name)
         if again is not None and again.flow_run_id != self.record.flow_run_id:
             self.lost = again
+        else:
+            self.renewed = time.monotonic()
 
 
 @contextmanager
@@ -289,6 +308,8 @@ def cluster_lock(config: ClusterConfig) -> Iterator[Hold]:
     if waited >= 1:
         log().info("holding the cluster after waiting %.0f s for another run", waited)
     hold = Hold(config, record, lease_holder, waited)
+    with contextlib.suppress(Exception):  # the server away: the first beat reads it back
+        hold.read_back()
     try:
         yield hold
     finally:
