@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +30,10 @@ from tests.conftest import keep_for_notes, make_bed
 from tests.test_cluster_lock import events, run_cli
 from tests.test_deployments import api
 from tests.test_lock_holder import _now, a_flow_run
+from tests.test_recovery import Controller
 from tests.testbed.bed import TestBed
 from tests.testbed.image import OLD_STACK_IMAGE, OLD_STACK_UNIT
-from tests.testbed.procs import wait_until
+from tests.testbed.procs import spawn, wait_until
 from vllm_redeploy.config import load_config
 from vllm_redeploy.names import cluster_tag, deployment_name
 from vllm_redeploy.nodes.containers import LABEL_MANAGED, cluster_labels
@@ -359,3 +361,34 @@ def test_a_holder_stopped_inside_stop_autostart_removes_nothing_of_the_run_that_
     assert f"another run took {cluster} while this one could not renew its hold" in said, said
     assert f"(flow run {done['COMPLETED']['name']}" in said, said
     assert ours(bed, cluster)[worker.name], "B's group is not on the worker"
+
+
+def test_a_run_on_a_clock_200_s_behind_is_not_taken_for_gone_by_the_watcher(
+    prefect_api: str, bed: TestBed
+) -> None:
+    """A manual run from a machine whose clock is 200 s behind (libfaketime), while `serve`
+    and `watch` run on the real clock: its beats read 200 s old by any other clock, older
+    than lease_s + 30 s. The watcher asks the Prefect server's clock, counts the cluster busy
+    through the load, and starts no recovery."""
+    cluster = f"behind{uuid.uuid4().hex[:6]}"
+    ctl = Controller(bed, bed.root / "behind.toml", cluster, prefect_api, {})
+    ctl.write(VRD_LOAD_SECONDS="20")  # the watcher looks every second: 20 looks in the load
+    state = redeploy_vllm_cluster(str(ctl.path), "redeploy", return_state=True)
+    assert state.is_completed(), state.result(raise_on_failure=False)
+    log = bed.root / "behind.log"
+    try:
+        ctl.start()
+        env = {"PREFECT_API_URL": prefect_api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+        argv = ["faketime", "-f", "-200s", str(BIN / "vllm-redeploy"), "run", "-c", str(ctl.path)]
+        assert spawn(argv, log, env).wait(timeout=240) == 0, log.read_text()[-3000:]
+    finally:
+        ctl.stop()
+    record = Record.read(cluster)
+    assert record is not None and record.released
+    behind_s = (datetime.now(UTC) - datetime.fromisoformat(record.beat)).total_seconds()
+    assert behind_s > 190, record  # its clock was behind, as the record it wrote says
+    assert not ctl.events("vllm.cluster.unhealthy"), (bed.root / "watch.log").read_text()
+    logs = "\n".join(
+        p.read_text()[-4000:] for p in (bed.root / "watch.log", bed.root / "serve.log")
+    )
+    assert ctl.runs("recover") == [], logs

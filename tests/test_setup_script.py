@@ -17,7 +17,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "setup.sh"
 # What the script itself calls, besides what it probes for.
 HOST_TOOLS = ("env", "basename", "dirname", "grep", "id", "ldd", "python3", "printf", "cat")
 PROBED = ("busybox", "ps", "pkill", "ip", "ss", "ssh-keygen", "systemd-analyze", "fc-list",
-          "chromium", "chromium-browser", "postgres")  # fmt: skip
+          "chromium", "chromium-browser", "postgres", "faketime")  # fmt: skip
 
 RECORDER = """#!/bin/sh
 echo "$(basename "$0") $*" >> {log}
