@@ -66,6 +66,9 @@ CLOCK_SLACK_S = 30.0  # a record this much older than lease_s (server clock) is 
 AFTER_OUTAGE_S = BEAT_S + 2 * POLL_S
 SETTLE_S = 0.5  # two runs' writes to the record made at once have both landed after this
 CLAIM_S = 10.0  # a waiting run's claim to free a gone holder's slot, unfinished this long, lapses
+# A run that has just taken the slot has written its record within this: until then, a slot
+# counted under a gone holder's record may be that new holder's, its record on its way.
+RECORDED_WITHIN_S = BEAT_S
 
 
 @dataclass(frozen=True)
@@ -464,18 +467,23 @@ def _free(
     """Free the slot a gone holder left taken: its lease if the server still has it; else the
     slot the server counts without a lease (a restart forgot it), which only an anonymous
     decrement frees. That one frees whatever slot is counted, a new holder's too, so it is
-    made only while the record is still the gone holder's, and by one waiting run: each
-    claims it in the record, and after a moment only the claim that stayed goes on (a claim
-    left ``CLAIM_S`` by a run that died may be claimed again). True once the slot is free."""
+    made only once the record has named the gone holder for ``RECORDED_WITHIN_S`` (the
+    winner of a hand-off takes the slot a moment before its record says so), and by one
+    waiting run: each claims it in the record, and after a moment only the claim that stayed
+    goes on (a claim left ``CLAIM_S`` by a run that died may be claimed again). True once the
+    slot is free."""
     name = lock_name(cluster)
-    log().info("the cluster's last holder is gone%s: freeing its slot", record.described())
-    _release_lease(client, record.lease_id)
+    _release_lease(client, record.lease_id)  # a no-op once the server has dropped it
     if not client.read_global_concurrency_limit_by_name(name).active_slots:
         return True
+    if seen_for_s < RECORDED_WITHIN_S:
+        return False  # the slot may be a new holder's, its record on its way
     if record.freed_by and seen_for_s < CLAIM_S:
         return False  # another waiting run is freeing it
     if not _same(Record.read(cluster), record):
         return False  # another run took the cluster, or claimed the slot, since
+    log().info("the cluster's last holder is gone%s: freeing the slot the server still counts "
+               "for it", record.described())  # fmt: skip
     replace(record, released=True, freed_by=me).write(cluster)
     time.sleep(SETTLE_S)
     claimed = Record.read(cluster)

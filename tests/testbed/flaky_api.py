@@ -1,6 +1,7 @@
-"""A Prefect API that fails on cue: a reverse proxy in front of a real Prefect server that
-answers 500 to the first request a test names, and passes everything else through (HTTP, and
-the events websocket both ways), so a run talks to the real server otherwise."""
+"""A Prefect API that fails or lags on cue: a reverse proxy in front of a real Prefect server
+that answers 500 to the requests a test names, holds back those it says for as long as it says,
+and passes everything else through (HTTP, and the events websocket both ways), so a run talks to
+the real server otherwise."""
 
 from __future__ import annotations
 
@@ -24,11 +25,17 @@ from tests.testbed.procs import free_port, wait_until
 
 # Which requests fail: (method, path under /api, JSON body) -> True to answer 500.
 Cue = Callable[[str, str, object], bool]
+# How long a request is held back before it goes on: (method, path under /api) -> seconds.
+Delay = Callable[[str, str], float]
+
+
+def never(method: str, path: str, body: object) -> bool:
+    return False
 
 
 class FlakyApi:
-    def __init__(self, upstream: str, cue: Cue) -> None:
-        self.upstream, self.cue = upstream.rstrip("/"), cue
+    def __init__(self, upstream: str, cue: Cue, delay: Delay | None = None) -> None:
+        self.upstream, self.cue, self.delay = upstream.rstrip("/"), cue, delay
         self.port = free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}/api"
         self.failed: list[str] = []  # "METHOD /path" of each request answered 500
@@ -47,6 +54,8 @@ class FlakyApi:
                 self.failed.append(f"{request.method} {path}")
         if fail:
             return Response('{"detail": "the test answers 500"}', status_code=500)
+        if self.delay is not None:
+            await asyncio.sleep(self.delay(request.method, path))
         headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host",)}
         async with httpx.AsyncClient(timeout=60) as client:
             answer = await client.request(
@@ -93,9 +102,9 @@ class FlakyApi:
 
 
 @contextmanager
-def flaky_api(upstream: str, cue: Cue) -> Iterator[FlakyApi]:
+def flaky_api(upstream: str, cue: Cue = never, delay: Delay | None = None) -> Iterator[FlakyApi]:
     """The proxy, serving on a thread of the test's process for the block."""
-    proxy = FlakyApi(upstream, cue)
+    proxy = FlakyApi(upstream, cue, delay)
     config = uvicorn.Config(proxy.app(), host="127.0.0.1", port=proxy.port, log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="flaky-api", daemon=True)
