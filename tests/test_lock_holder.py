@@ -30,6 +30,7 @@ from tasks.standing.lock import (
     ensure_cluster_lock,
     holder,
 )
+from tasks.standing.runs import runs_at_hand
 from tests.testbed.flaky_api import flaky_api
 from vllm_redeploy.config import load_config
 from vllm_redeploy.names import lock_name
@@ -179,12 +180,16 @@ def test_a_holder_marked_crashed_that_still_beats_is_waited_for(
     prefect_api: str, tmp_path: Path
 ) -> None:
     """Prefect marks a run Crashed when its heartbeats stop reaching the server (an outage, a
-    stalled controller); its process may still hold the cluster and beat the lock's record."""
+    stalled controller); its process may still hold the cluster and beat the lock's record:
+    waited for, and listed by `pause` as holding the cluster."""
     cluster = f"crashed{uuid.uuid4().hex[:6]}"
     ensure_cluster_lock(cluster)
     Record(a_flow_run("CRASHED"), "stalled-run", since=_now(), beat=_now()).write(cluster)
     path = str(cluster_file(tmp_path, cluster, wait_s=6))
     assert holder(load_config(path, env_file=None)) is not None  # the watcher: busy
+    (listed,) = runs_at_hand(load_config(path, env_file=None))  # what `pause` prints
+    assert listed.holds and listed.crashed, listed
+    assert "holds the cluster (marked Crashed in Prefect, yet it still beats" in listed.line()
     state = take_the_cluster(path, return_state=True)
     assert state.is_failed()
     with pytest.raises(StepFailed, match=r"held the cluster .*flow run stalled-run"):

@@ -80,7 +80,7 @@ def pause(
 
     with controller_or_exit([cluster], [config], "pause"):
         paused = pause_cluster(cluster.name, reason, seconds)
-        runs = runs_at_hand(cluster.name)
+        runs = runs_at_hand(cluster)
     said = f"{cluster.name}: {for_terminal(paused.describe())}"
     out.print(said, markup=False, highlight=False, soft_wrap=True)
     for run in runs:

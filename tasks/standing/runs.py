@@ -7,7 +7,9 @@ deployment's runs carry the tag already; ``vllm-redeploy run`` and a direct call
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from uuid import UUID
 
 from prefect import get_client, runtime
 from prefect.client.schemas.filters import (
@@ -18,9 +20,11 @@ from prefect.client.schemas.filters import (
 )
 from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.client.schemas.sorting import FlowRunSort
+from prefect.exceptions import ObjectNotFound
 
-from tasks.standing.lock import Record
+from tasks.standing.lock import Record, holder
 from vllm_redeploy import PROJECT
+from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.names import cluster_tag
 
 UNDER_WAY = [StateType.PENDING, StateType.RUNNING]
@@ -34,6 +38,7 @@ class RunAtHand:
     trigger: str  # nightly, after-reboot, recover, manual
     holds: bool  # it holds the cluster now
     overrides: bool  # a manual run started with override_pause: a pause does not stop it
+    crashed: bool = False  # marked Crashed in Prefect, yet still beating the lock
 
     def under_pause(self) -> str:
         """What this run does now that the cluster is paused."""
@@ -48,6 +53,10 @@ class RunAtHand:
 
     def line(self) -> str:
         role = "holds the cluster" if self.holds else "waits"
+        if self.crashed:
+            role += (
+                " (marked Crashed in Prefect, yet it still beats the lock: its controller runs it)"
+            )
         return f"flow run {self.name} ({self.trigger}) {role}: {self.under_pause()}"
 
 
@@ -61,18 +70,23 @@ def tag_this_run(cluster: str) -> None:
         client.update_flow_run(runtime.flow_run.id, tags=sorted(tags | wanted))
 
 
-def runs_at_hand(cluster: str) -> list[RunAtHand]:
-    """The cluster's runs under way, the holder first."""
-    holder = Record.read(cluster)
-    held_by = holder.flow_run_id if holder is not None and not holder.released else None
+def runs_at_hand(config: ClusterConfig) -> list[RunAtHand]:
+    """The cluster's runs under way, the holder first. A holder that Prefect marked Crashed (its
+    heartbeats stopped reaching the server) but that still beats the lock is under way too."""
+    record = Record.read(config.name)
+    held_by = record.flow_run_id if record is not None and not record.released else None
+    live = holder(config)
     with get_client(sync_client=True) as client:
         found = client.read_flow_runs(
             flow_run_filter=FlowRunFilter(
-                tags=FlowRunFilterTags(all_=[cluster_tag(cluster)]),
+                tags=FlowRunFilterTags(all_=[cluster_tag(config.name)]),
                 state=FlowRunFilterState(type=FlowRunFilterStateType(any_=UNDER_WAY)),
             ),
             sort=FlowRunSort.START_TIME_ASC,
         )
+        if live is not None and all(str(run.id) != live.flow_run_id for run in found):
+            with contextlib.suppress(ObjectNotFound, ValueError):
+                found = [client.read_flow_run(UUID(live.flow_run_id)), *found]
     runs = [_at_hand(run, str(run.id) == held_by) for run in found]
     return sorted(runs, key=lambda r: not r.holds)
 
@@ -80,4 +94,5 @@ def runs_at_hand(cluster: str) -> list[RunAtHand]:
 def _at_hand(run: FlowRun, holds: bool) -> RunAtHand:
     trigger = str(run.parameters.get("trigger") or "manual")
     overrides = trigger == "manual" and bool(run.parameters.get("override_pause"))
-    return RunAtHand(run.name, trigger, holds, overrides)
+    crashed = run.state_type == StateType.CRASHED
+    return RunAtHand(run.name, trigger, holds, overrides, crashed)
