@@ -16,9 +16,10 @@ import pytest
 from typer.testing import CliRunner
 
 from deployments.cli import app
+from tests.conftest import NODE_IP
 from tests.testbed.dockerd import DockerEngine
 from tests.testbed.procs import free_port
-from tests.testbed.sshd import SSHServer
+from tests.testbed.sshd import SSHServer, keygen
 
 pytestmark = pytest.mark.integration
 
@@ -163,3 +164,68 @@ def test_a_port_that_is_not_sshd_gives_one_line_and_no_traceback(
     flat = re.sub(r"[\s│]+", " ", shown)  # the table may wrap the problem anywhere
     assert "Error reading SSH protocol banner" in flat
     assert "Something answers on that port but does not speak SSH" in flat, shown
+
+
+# --- every failure `check_node` meets is a row of the table (issue 50) ---------------------------
+
+
+@pytest.fixture
+def sshd_without_docker(tmp_path: Path, client_key: Path) -> Iterator[SSHServer]:
+    """An sshd whose sessions' Docker is a socket nobody listens on (the engine stopped)."""
+    server = SSHServer(
+        tmp_path / "sshd-no-docker",
+        NODE_IP,
+        [client_key],
+        env={"DOCKER_HOST": f"unix://{tmp_path}/stopped/docker.sock"},
+    ).start()
+    yield server
+    server.stop()
+
+
+def test_docker_failing_on_nodes_is_their_problem_in_the_table(
+    tmp_path: Path,
+    sshd_without_docker: SSHServer,
+    client_key: Path,
+    dockerd: DockerEngine,
+) -> None:
+    """The local node's Docker socket and the SSH node's are both dead: each row says so (the
+    SSH node's in the words of `docker system dial-stdio`), with no traceback, and exit 1."""
+    known_hosts = tmp_path / "known_hosts"
+    known_hosts.write_text(sshd_without_docker.known_hosts_line())
+    path = cluster_toml(tmp_path, sshd_without_docker, client_key, known_hosts, dockerd)
+    path.write_text(path.read_text().replace(dockerd.url, f"unix://{tmp_path}/absent/docker.sock"))
+    table = CliRunner().invoke(app, ["nodes", "--config", str(path)], terminal_width=400)
+    assert table.exit_code == 1, table.output
+    assert not isinstance(table.exception, Exception) or isinstance(table.exception, SystemExit)
+    assert "Docker on head-local: version failed" in table.output, table.output
+    found = CliRunner().invoke(app, ["nodes", "--config", str(path), "--json"])
+    reports = {r["name"]: r for r in json.loads(found.output)}
+    for name in ("head-local", "worker-ssh"):
+        assert reports[name]["reachable"] and reports[name]["docker_version"] is None, reports
+        assert reports[name]["error"].startswith(f"Docker on {name}: version failed"), reports
+    said = reports["worker-ssh"]["error"]  # dial-stdio's own words, not "Connection aborted"
+    assert f"dial unix {tmp_path}/stopped/docker.sock: connect: no such file" in said, said
+
+
+def test_a_known_hosts_with_markers_is_read_as_openssh_reads_it(
+    tmp_path: Path, sshd: SSHServer, client_key: Path, dockerd: DockerEngine
+) -> None:
+    """A @cert-authority line and a @revoked line for another key are read past (paramiko's own
+    loader raised InvalidHostKey on both); the node's key marked @revoked is refused."""
+    other = keygen(tmp_path / "other")
+    other_key = Path(f"{other}.pub").read_text().split()[:2]
+    known_hosts = tmp_path / "known_hosts"
+    known_hosts.write_text(
+        f"@cert-authority *.example.org {' '.join(other_key)}\n"
+        f"@revoked * {' '.join(other_key)}\n" + sshd.known_hosts_line()
+    )
+    path = cluster_toml(tmp_path, sshd, client_key, known_hosts, dockerd)
+    found = CliRunner().invoke(app, ["nodes", "--config", str(path), "--json"])
+    reports = {r["name"]: r for r in json.loads(found.output)}
+    assert reports["worker-ssh"]["docker_version"], reports
+    kind, key = sshd.known_hosts_line().split()[1:3]
+    known_hosts.write_text(known_hosts.read_text() + f"@revoked * {kind} {key}\n")
+    found = CliRunner().invoke(app, ["nodes", "--config", str(path), "--json"])
+    reports = {r["name"]: r for r in json.loads(found.output)}
+    assert not reports["worker-ssh"]["reachable"], reports
+    assert "is marked @revoked in" in reports["worker-ssh"]["error"], reports

@@ -36,7 +36,7 @@ from vllm_redeploy.config.launch import API_KEY_SECRET
 from vllm_redeploy.config.toml_text import is_header, toml_document
 from vllm_redeploy.endpoint import api_base, api_key
 from vllm_redeploy.gpus import GpuReport, inspect_gpus
-from vllm_redeploy.nodes import NodeAccess, check_node, fan_out
+from vllm_redeploy.nodes import NodeAccess, check_nodes, fan_out
 from vllm_redeploy.probe import run_probe
 from vllm_redeploy.safe_text import for_terminal, shown
 
@@ -88,15 +88,14 @@ def settings_toml(cluster: ClusterConfig) -> list[str]:
 def nodes(config: ConfigOption = Path("cluster.toml"), as_json: JsonOption = False) -> None:
     """Contact every node in parallel: reachable, SSH round trip, Docker version."""
     cluster = load_or_exit(config)
-    reports = [o.value for o in fan_out(cluster.nodes, lambda n: check_node(n, cluster))]
+    reports = check_nodes(cluster)
     if as_json:
-        out.print_json(json.dumps([asdict(r) for r in reports if r is not None]))
+        out.print_json(json.dumps([asdict(r) for r in reports]))
     else:
         table = Table(title=f"cluster {cluster.name}")
         for column in ("node", "address", "reachable", "round trip", "docker", "fabric", "problem"):
             table.add_column(column, overflow="fold")
         for r in reports:
-            assert r is not None
             table.add_row(
                 r.name,
                 r.address if r.transport == "ssh" else "local",
@@ -109,7 +108,7 @@ def nodes(config: ConfigOption = Path("cluster.toml"), as_json: JsonOption = Fal
                 ),
             )
         out.print(table)
-    if not all(r is not None and r.reachable and r.docker_version for r in reports):
+    if not all(r.reachable and r.docker_version for r in reports):
         raise typer.Exit(EXIT_UNREACHABLE)
 
 

@@ -5,6 +5,7 @@ from vllm_redeploy.nodes.access import (
     NodeOutcome,
     NodeReport,
     check_node,
+    check_nodes,
     fan_out,
     runner_for,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "SSHRunner",
     "SSHTarget",
     "check_node",
+    "check_nodes",
     "fan_out",
     "project_labels",
     "render_command",

@@ -145,11 +145,24 @@ def check_node(node: NodeConfig, config: ClusterConfig) -> NodeReport:
             version = access.docker.version()
         except RemoteError as exc:
             return NodeReport(
-                node.name, node.address, node.transport, True, rtt * 1000, str(exc), fabric
-            )
+                node.name, node.address, node.transport, True, rtt * 1000, error=str(exc),
+                fabric=fabric,
+            )  # fmt: skip
     return NodeReport(
-        node.name, node.address, node.transport, True, rtt * 1000, version, None, fabric
+        node.name, node.address, node.transport, True, rtt * 1000, version, fabric=fabric
     )
+
+
+def check_nodes(config: ClusterConfig) -> list[NodeReport]:
+    """``check_node`` for every node, in parallel; a node it could not start on reported as
+    unreachable with its error."""
+    outcomes = fan_out(config.nodes, lambda n: check_node(n, config))
+    return [
+        o.value
+        if o.value is not None
+        else NodeReport(node.name, node.address, node.transport, False, error=str(o.error))
+        for node, o in zip(config.nodes, outcomes, strict=True)
+    ]
 
 
 def fabric_summary(facts: FabricFacts) -> dict[str, Any]:

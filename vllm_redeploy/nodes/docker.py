@@ -43,6 +43,7 @@ from vllm_redeploy.safe_text import one_line
 API_VERSION = "1.41"
 NEWEST_API = docker.constants.DEFAULT_DOCKER_API_VERSION  # 1.45 for docker 7.2
 API_TIMEOUT_S = 60
+DIAL_ARGV = ("docker", "system", "dial-stdio")  # what the SDK runs on a node to reach Docker
 # Placeholder base URL: the real transport is mounted on http+docker://ssh below.
 _SSH_BASE_URL = "http+docker://ssh"
 _UNUSED_TCP_URL = "tcp://127.0.0.1:9"
@@ -76,7 +77,7 @@ class _LeasedConnection(SSHConnection):
         self._lease = self._runner.open_channel()
         channel = self._lease.channel
         channel.settimeout(self.timeout)
-        channel.exec_command("docker system dial-stdio")
+        channel.exec_command(" ".join(DIAL_ARGV))
         self.sock = channel
 
     def close(self) -> None:
@@ -133,8 +134,31 @@ class _RunnerSSHAdapter(SSHHTTPAdapter):
 
 def node_docker_for(runner: Runner, docker_host: str | None = None) -> NodeDocker:
     """Docker on the node behind ``runner``, sharing its SSH connection if it has one."""
-    reset = runner.close if isinstance(runner, SSHRunner) else None
-    return NodeDocker(runner.node, docker_client_for(runner, docker_host), reset)
+    if isinstance(runner, SSHRunner):
+        client = docker_client_for(runner, docker_host)
+        return NodeDocker(runner.node, client, runner.close, lambda: _dial_problem(runner))
+    return NodeDocker(runner.node, docker_client_for(runner, docker_host))
+
+
+def _dial_problem(runner: SSHRunner) -> str | None:
+    """Why ``docker system dial-stdio`` (how the SDK reaches Docker over SSH) fails on the
+    node, in its own words and with the fix; None when it works. The SDK sees only a closed
+    connection: the words are on the command's stderr."""
+    try:
+        done = runner.run(DIAL_ARGV, check=False, timeout=15, stdin=b"")
+    except RemoteError:
+        return None
+    said = " ".join(done.stderr.split())
+    if done.exit_code == 0 or not said:
+        return None
+    if "permission denied" in said.lower():
+        login = runner.target.user or "the login"
+        return (
+            f"{said}. The login {login} may not use Docker's socket on {runner.node}: add it to "
+            f"the docker group (`sudo usermod -aG docker {login}`; it takes effect at its next "
+            "login, which the next run makes)"
+        )
+    return said
 
 
 def docker_client_for(runner: Runner, docker_host: str | None = None) -> docker.DockerClient:
@@ -155,13 +179,19 @@ class NodeDocker:
     """The Docker operations the redeploy needs, on one node, with node-named errors."""
 
     def __init__(
-        self, node: str, client: docker.DockerClient, reset: Callable[[], None] | None = None
+        self,
+        node: str,
+        client: docker.DockerClient,
+        reset: Callable[[], None] | None = None,
+        explain: Callable[[], str | None] | None = None,
     ) -> None:
         self.node = node
         self._client = client
         # Called when the transport fails, before the one retry: drops a dead SSH connection
         # that paramiko has not noticed yet, so the retry dials a fresh one.
         self._reset = reset
+        # Called when the retry failed too: why the node's end of the connection closed.
+        self._explain = explain
         self._negotiated = False
 
     def __repr__(self) -> str:
@@ -181,9 +211,19 @@ class NodeDocker:
                 if self._reset is not None:
                     self._reset()
                 if not retry or attempt == 2:
+                    why = self._explain() if self._explain is not None else None
                     raise DockerError(
-                        self.node, f"Docker on {self.node}: {what} failed: {exc}", transient=True
+                        self.node,
+                        f"Docker on {self.node}: {what} failed: {why or exc}",
+                        transient=why is None,  # a refusal in words stays a refusal
                     ) from None
+            except requests.exceptions.Timeout:
+                raise DockerError(
+                    self.node,
+                    f"Docker on {self.node}: {what} got no answer within {API_TIMEOUT_S} s: its "
+                    f"engine is stuck or overloaded (on {self.node}: `systemctl status docker`, "
+                    "`journalctl -u docker`)",
+                ) from None
             except docker.errors.DockerException as exc:
                 raise DockerError(
                     self.node, f"Docker on {self.node}: {what} failed: {_plain(exc)}"

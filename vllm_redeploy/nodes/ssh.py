@@ -47,6 +47,7 @@ from vllm_redeploy.nodes.errors import (
 from vllm_redeploy.nodes.local import LocalRunner
 from vllm_redeploy.nodes.result import Stream
 from vllm_redeploy.nodes.runner import DEFAULT_TIMEOUT_S, OutputCapture, Process, Runner
+from vllm_redeploy.safe_text import one_line
 
 EXIT_NO_STATUS = (
     -1
@@ -167,6 +168,67 @@ class _RecordOnFirstUse(paramiko.MissingHostKeyPolicy):
         client.get_host_keys().add(hostname, key.get_name(), key)
 
 
+class _RefuseRevoked(paramiko.MissingHostKeyPolicy):
+    """A key known_hosts marks ``@revoked`` is refused, even on first use; others go on to
+    ``then``. (Revoked keys are never loaded as known, so they always come here.)"""
+
+    def __init__(
+        self, node: str, known_hosts: Path, revoked: set[str], then: paramiko.MissingHostKeyPolicy
+    ) -> None:
+        self._node, self._known_hosts, self._revoked, self._then = node, known_hosts, revoked, then
+
+    def missing_host_key(
+        self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey
+    ) -> None:
+        if key.get_base64() in self._revoked:
+            raise HostKeyRejected(
+                self._node,
+                f"its SSH host key ({key.get_name()} {key.fingerprint}) is marked @revoked in "
+                f"{self._known_hosts}",
+                "Someone may be intercepting the connection, or the node still offers a key "
+                "that was withdrawn: give it a new host key, and trust that one",
+            )
+        self._then.missing_host_key(client, hostname, key)
+
+
+def _load_known_hosts(client: paramiko.SSHClient, path: Path, node: str) -> set[str]:
+    """Load ``path`` as OpenSSH reads it, into ``client``; the keys it marks ``@revoked``.
+    paramiko's own loader knows no markers: an ``@cert-authority`` or ``@revoked`` line made
+    it raise InvalidHostKey. Host certificates are not checked here (paramiko has none), so a
+    ``@cert-authority`` line is skipped: such a node needs its own key listed."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError as exc:
+        raise HostKeyRejected(node, f"cannot read {path}: {exc.strerror}", "") from None
+    entries: list[tuple[str, paramiko.hostkeys.HostKeyEntry]] = []
+    for number, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        marker = ""
+        if line.startswith("@"):
+            marker, _, line = line.partition(" ")
+            line = line.strip()
+        try:
+            entry = paramiko.hostkeys.HostKeyEntry.from_line(line, number)
+        except (paramiko.hostkeys.InvalidHostKey, paramiko.SSHException, ValueError) as exc:
+            raise HostKeyRejected(
+                node,
+                f"line {number} of {path} cannot be read ({one_line(exc) or type(exc).__name__})",
+                "Fix or remove that line (`ssh-keygen -F HOST -f FILE` shows which host a line "
+                "is for)",
+            ) from None
+        if entry is not None and entry.key is not None:  # else a key type paramiko lacks
+            entries.append((marker, entry))
+    revoked = {e.key.get_base64() for marker, e in entries if marker == "@revoked"}
+    known = client.get_host_keys()
+    for marker, entry in entries:
+        if not marker and entry.key.get_base64() not in revoked:
+            for name in entry.hostnames:
+                known.add(name, entry.key.get_name(), entry.key)
+    return revoked
+
+
 class ChannelLease:
     """An open channel holding one of its connection's ``MAX_CHANNELS`` places until closed."""
 
@@ -260,13 +322,15 @@ class SSHRunner(Runner):
         t = self.target
         known_hosts = t.known_hosts.expanduser()
         client = paramiko.SSHClient()
-        if known_hosts.exists():
-            client.load_host_keys(str(known_hosts))
-        client.set_missing_host_key_policy(
+        revoked = (
+            _load_known_hosts(client, known_hosts, self.node) if known_hosts.exists() else set()
+        )
+        policy: paramiko.MissingHostKeyPolicy = (
             _RecordOnFirstUse(known_hosts)
             if t.trust_on_first_use
             else _RejectUnknownHost(self.node, t)
         )
+        client.set_missing_host_key_policy(_RefuseRevoked(self.node, known_hosts, revoked, policy))
         try:
             client.connect(
                 hostname=t.host,
