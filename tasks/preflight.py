@@ -36,7 +36,10 @@ from vllm_redeploy.nodes import (
     NodeUnreachable,
 )
 from vllm_redeploy.nodes.privilege import SUDOERS_FILE, refused_as_root, sudoers_line
+from vllm_redeploy.nodes.result import CommandResult
+from vllm_redeploy.parsers import nvidia_smi
 from vllm_redeploy.parsers.fabric import FABRIC_ARGV, FabricFacts, parse_fabric
+from vllm_redeploy.parsers.nvidia_smi import GPUS_ARGV
 from vllm_redeploy.safe_text import one_line
 from vllm_redeploy.sync import Manifest, manifest_argv, parse_manifest, unsafe_links
 
@@ -60,6 +63,8 @@ class NodeFacts:
     image_user: str | None = None  # the image's USER, "" for root (read on the head only)
     model: Manifest | None = None  # the model directory's files (size, mtime)
     root_problem: str | None = None  # why the login cannot run what needs root there
+    gpu_problem: str | None = None  # why nvidia-smi's answer cannot be judged
+    gpu_warnings: tuple[str, ...] = ()  # what nvidia-smi warned of, with a full answer
 
     @property
     def notes(self) -> list[str]:
@@ -67,6 +72,9 @@ class NodeFacts:
         found = list(self.fabric.problems() if self.fabric else ())
         if self.entrypoint is not None and self.entrypoint.kept:
             found.append(self.entrypoint.why())
+        found += [
+            f"nvidia-smi warns: {one_line(w)} (tolerated: it answered)" for w in self.gpu_warnings
+        ]
         return [f"{self.node}: {p}" for p in found]
 
 
@@ -125,6 +133,7 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
             ["ip", "route", "get", ip],
             list(FABRIC_ARGV),
             manifest_argv(config.vllm.source),
+            list(GPUS_ARGV),
         ],
         timeout=60,
     )
@@ -137,7 +146,7 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
         # In this task run's context, so that image-facts runs as its child (and its cache).
         image = background.submit(contextvars.copy_context().run, image_facts, run, name, image_id)
     background.shutdown(wait=False)
-    route, fabric_out, files = asked.result()
+    route, fabric_out, files, gpus = asked.result()
     # "Network is unreachable" (exit 2) is an answer: no address of the node is on that net.
     # A missing or broken `ip` is none: say so, never guess.
     if route.exit_code in (126, 127):
@@ -151,6 +160,7 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
     local = route.stdout.startswith("local ")
     fabric = parse_fabric(fabric_out.stdout, ip)
     manifest = parse_manifest(files.stdout, files.exit_code or 0)
+    gpu_problem = _gpu_problem(name, gpus)
     facts = image.result() if image else None
     asked = facts is not None and asks_the_image(config)
     return NodeFacts(
@@ -168,7 +178,31 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
         facts.user if facts else None,
         manifest,
         root.result(),
+        gpu_problem,
+        () if gpu_problem else tuple(nvidia_smi.warnings(gpus.stdout)),
     )
+
+
+def _gpu_problem(name: str, gpus: CommandResult) -> str | None:
+    """Why the node's GPUs cannot be judged from nvidia-smi's answer, read before anything
+    stops (gpus-clear reads it again after the stop); None when they can."""
+    said = [line.strip() for line in gpus.stdout.splitlines() if line.strip()]
+    if gpus.exit_code not in nvidia_smi.ANSWERED:
+        words = one_line(said[-1]) if said else "no output"
+        return (
+            f"{name}: nvidia-smi failed (exit code {gpus.exit_code}: {words}); the GPUs cannot "
+            "be checked, so nothing was stopped. Check the NVIDIA driver (`nvidia-smi` on the "
+            "node) and that nvidia-smi is on the login's PATH"
+        )
+    try:
+        listed = nvidia_smi.parse_gpus(gpus.stdout)
+    except ValueError as exc:
+        return (
+            f"{name}: nvidia-smi's answer cannot be read ({one_line(exc)}), so whether its GPUs "
+            "are free cannot be told and nothing was stopped. Run `nvidia-smi "
+            f"{shlex.join(GPUS_ARGV[1:])}` on the node to see what it prints"
+        )
+    return None if listed else f"{name}: nvidia-smi lists no GPU"
 
 
 def root_problem(run: Run, name: str) -> str | None:
@@ -221,6 +255,8 @@ def preflight_problems(
             )
         if f.root_problem:
             problems.append(f.root_problem)
+        if f.gpu_problem:
+            problems.append(f.gpu_problem)
         if not f.model_present and not copied:
             problems.append(f"{f.node}: the model is not there: {config.vllm.source.where()}")
         elif f.model is not None and not copied and (bad := f.model.link_problems()):

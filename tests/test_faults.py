@@ -541,6 +541,48 @@ def test_stray_process_holding_a_gpu(fault_bed: TestBed, row: Row) -> None:
     row.detect = f"{took:.1f} s after gpus-clear began (grace 3 s)"
 
 
+def test_a_gpu_whose_inforom_is_corrupted_still_serves_and_says_so(
+    fault_bed: TestBed, row: Row
+) -> None:
+    """nvidia-smi warns "infoROM is corrupted" and exits 14 while the GPU works (vLLM runs on
+    it): tolerated where nvidia-smi itself answers, and noted in the summary."""
+    worker = fault_bed.node(WORKER)
+    row.fault = f"nvidia-smi on {WORKER}: its answer, then 'infoROM is corrupted', exit 14"
+    make_served(fault_bed)
+    worker.nvidia_smi_faults(inforom_corrupted=(0,))
+    try:
+        outcome = run_flow(fault_bed)
+    finally:
+        worker.nvidia_smi_faults()
+    summary = outcome.result["summary"]
+    assert f"{WORKER}: nvidia-smi warns: WARNING: infoROM is corrupted at gpu " in summary
+    assert served(fault_bed)
+    row.outcome = "Completed, served; the summary notes the warning"
+    row.detect = "preflight (a note)"
+
+
+def test_an_nvidia_smi_line_that_is_not_a_row_is_refused_before_anything_stops(
+    fault_bed: TestBed, row: Row
+) -> None:
+    worker = fault_bed.node(WORKER)
+    row.fault = f"nvidia-smi on {WORKER} prints a line that is not one of its rows"
+    make_served(fault_bed)
+    before = {n.name: ours(n) for n in fault_bed.nodes}
+    worker.nvidia_smi_faults(garbage="Unable to determine the device handle for GPU0: Unknown")
+    try:
+        outcome = run_flow(fault_bed)
+    finally:
+        worker.nvidia_smi_faults()
+    message = outcome.message
+    assert message.startswith("preflight: "), message
+    assert f"{WORKER}: nvidia-smi's answer cannot be read (nvidia-smi line has 1 fields" in message
+    assert "nothing was stopped" in message
+    assert {n.name: ours(n) for n in fault_bed.nodes} == before  # the group untouched
+    assert served(fault_bed)
+    row.outcome = f"Failed: {first_line(message)}"
+    row.detect = f"{outcome.ended - outcome.started:.1f} s after the start, before any change"
+
+
 @pytest.mark.parametrize("which", ["api", "ray"])
 def test_stray_listener_on_a_port(fault_bed: TestBed, row: Row, which: str) -> None:
     backend = RAY if which == "ray" else {}

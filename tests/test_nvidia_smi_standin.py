@@ -334,3 +334,15 @@ def test_long_process_names_keep_their_end(tmp_path: Path) -> None:
     assert [line for line in table.splitlines() if " N/A  N/A " in line] == sorted(
         rows.values(), key=lambda row: int(row.split()[4])
     )
+
+
+def test_a_corrupted_inforom_answers_in_full_then_warns_with_exit_14(tmp_path: Path) -> None:
+    """As real nvidia-smi does (its exit code 14, "infoROM is corrupted"; pytorch/pytorch#87464
+    quotes the warning line): the rows first, then one warning per such GPU."""
+    state = make_state(tmp_path, "h200", [], gpus=2, inforom_corrupted=[1])
+    done = smi(state, "--query-gpu=index,pci.bus_id", "--format=csv,noheader")
+    assert done.returncode == 14, done
+    rows, warning = done.stdout.splitlines()[:2], done.stdout.splitlines()[2:]
+    bus_id = rows[1].split(", ")[1]  # 00000000:00:NN.0: the warning drops 4 digits of domain
+    assert [r.split(", ")[0] for r in rows] == ["0", "1"]
+    assert warning == [f"WARNING: infoROM is corrupted at gpu {bus_id[4:]}"]

@@ -15,6 +15,7 @@ from vllm_redeploy.parsers.nvidia_smi import (
     GpuInfo,
     parse_compute_apps,
     parse_gpus,
+    warnings,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nvidia_smi"
@@ -155,3 +156,11 @@ def test_a_query_without_the_key_fields_is_refused() -> None:
         parse_gpus("NVIDIA GB10, [N/A]\n", ("name", "memory.total"))
     with pytest.raises(ValueError, match="pid"):
         parse_compute_apps("python3\n", ("process_name",))
+
+
+def test_warnings_are_never_rows_and_are_kept_apart() -> None:
+    """nvidia-smi's exit 14 comes with its answer in full and a warning after it."""
+    text = "0, NVIDIA H200\nWARNING: infoROM is corrupted at gpu 0000:00:1E.0\n"
+    assert parse_gpus(text, ("index", "name")) == [GpuInfo(0, "NVIDIA H200")]
+    assert warnings(text) == ["WARNING: infoROM is corrupted at gpu 0000:00:1E.0"]
+    assert warnings("0, NVIDIA H200\n") == []

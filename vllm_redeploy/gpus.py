@@ -7,13 +7,16 @@ from dataclasses import dataclass, field
 
 from vllm_redeploy.memory import Meminfo, parse_meminfo
 from vllm_redeploy.nodes import Runner
+from vllm_redeploy.nodes.result import CommandResult
 from vllm_redeploy.parsers.nvidia_smi import (
+    ANSWERED,
     COMPUTE_APPS_ARGV,
     GPUS_ARGV,
     ComputeApp,
     GpuInfo,
     parse_compute_apps,
     parse_gpus,
+    warnings,
 )
 from vllm_redeploy.safe_text import shown
 
@@ -32,6 +35,7 @@ class GpuReport:
     mem_total_mib: int | None = None
     problems: list[str] = field(default_factory=list)
     meminfo: Meminfo | None = None  # /proc/meminfo as read with the GPUs (the memory step's too)
+    warnings: list[str] = field(default_factory=list)  # nvidia-smi's, with a full answer
 
     @property
     def clear(self) -> bool:
@@ -47,7 +51,8 @@ class GpuReport:
             extra = ""
             if self.mem_available_mib is not None and self.unified_memory:
                 extra = f", MemAvailable {self.mem_available_mib / 1024:.1f} GiB"
-            return f"{self.node}: GPU clear ({kind}{extra})"
+            warned = "".join(f"; nvidia-smi: {shown(w)}" for w in self.warnings)
+            return f"{self.node}: GPU clear ({kind}{extra}){warned}"
         return f"{self.node}: " + "; ".join(self.problems)
 
 
@@ -58,10 +63,16 @@ def inspect_gpus(node: str, runner: Runner, timeout: float = 30.0) -> GpuReport:
     )
     return judge_gpus(
         node,
-        runner.checked(apps, timeout).stdout,
-        runner.checked(listed, timeout).stdout,
+        answered(runner, apps, timeout).stdout,
+        answered(runner, listed, timeout).stdout,
         runner.checked(memory, timeout).stdout,
     )
+
+
+def answered(runner: Runner, result: CommandResult, timeout: float | None = None) -> CommandResult:
+    """nvidia-smi's ``result`` when it came with a full answer (exit 0, or 14 with its
+    infoROM warning); else its command again alone, raising CommandFailed in its words."""
+    return result if result.exit_code in ANSWERED else runner.checked(result, timeout)
 
 
 def judge_gpus(node: str, apps_csv: str, gpus_csv: str, meminfo_text: str) -> GpuReport:
@@ -95,4 +106,5 @@ def judge_gpus(node: str, apps_csv: str, gpus_csv: str, meminfo_text: str) -> Gp
         mib("MemTotal"),
         problems,
         parse_meminfo(meminfo_text),
+        list(dict.fromkeys(warnings(apps_csv) + warnings(gpus_csv))),
     )

@@ -314,8 +314,17 @@ class EmulatedNode:
 
     def nvidia_smi_answers_in(self, seconds: float) -> None:
         """Each nvidia-smi call on this node takes ``seconds`` from now (0: at once)."""
+        self._gpu_config(answer_s=seconds)
+
+    def nvidia_smi_faults(self, inforom_corrupted: tuple[int, ...] = (), garbage: str = "") -> None:
+        """nvidia-smi on this node from now: the GPUs in ``inforom_corrupted`` warn of it (exit
+        14, the answer in full), and ``garbage`` is a line appended to its answer; none of
+        either when left out."""
+        self._gpu_config(inforom_corrupted=list(inforom_corrupted), garbage=garbage)
+
+    def _gpu_config(self, **values: object) -> None:
         config = gpu_state.read_config(self.gpu_dir)
-        config["answer_s"] = seconds
+        config.update(values)
         tmp = self.gpu_dir / "config.json.tmp"
         tmp.write_text(json.dumps(config, indent=1))
         tmp.replace(self.gpu_dir / "config.json")

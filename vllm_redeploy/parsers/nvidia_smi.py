@@ -29,6 +29,12 @@ COMPUTE_APPS_ARGV: tuple[str, ...] = (
 )
 GPUS_ARGV: tuple[str, ...] = ("nvidia-smi", f"--query-gpu={','.join(GPU_FIELDS)}", _FORMAT)
 
+# nvidia-smi's exit codes that come with its full answer: 14, a GPU's infoROM is corrupted
+# (the GPU works and vLLM runs on it; nvidia-smi warns on stdout, "WARNING: infoROM is
+# corrupted at gpu ..."). Any other non-zero code is a failure.
+ANSWERED = frozenset({0, 14})
+WARNING = "WARNING:"
+
 # Markers nvidia-smi prints instead of a value it cannot read.
 UNAVAILABLE = frozenset(
     {"[N/A]", "N/A", "[Not Supported]", "[Insufficient Permissions]", "[Unknown Error]"}
@@ -98,6 +104,11 @@ def parse_gpus(text: str, fields: Sequence[str] = GPU_FIELDS) -> list[GpuInfo]:
     return gpus
 
 
+def warnings(text: str) -> list[str]:
+    """The ``WARNING:`` lines nvidia-smi printed with its answer (never rows)."""
+    return [line.strip() for line in text.splitlines() if line.strip().startswith(WARNING)]
+
+
 def _rows(
     text: str, fields: Sequence[str], free_text: str, required: Sequence[str]
 ) -> Iterator[tuple[str, dict[str, str]]]:
@@ -105,7 +116,11 @@ def _rows(
     missing = [field for field in required if field not in fields]
     if missing:
         raise ValueError(f"nvidia-smi query must include {', '.join(missing)}")
-    lines = [line.strip() for line in text.split("\n") if line.strip()]
+    lines = [
+        line.strip()
+        for line in text.split("\n")
+        if line.strip() and not line.strip().startswith(WARNING)
+    ]
     headers = [_HEADER_NAMES.get(field, field) for field in fields]
     if lines and lines[0].split(", ")[0] == headers[0]:
         found = [cell.split(" [")[0] for cell in lines[0].split(", ")]

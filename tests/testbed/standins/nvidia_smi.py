@@ -409,13 +409,35 @@ def run(argv: list[str]) -> str:
     return table(gpus, node)
 
 
+# nvidia-smi's return code when a GPU's infoROM is corrupted: it still answers in full, then
+# warns, once per such GPU (microsoft/pai#3756, NVIDIA/gpu-operator#20, pytorch/pytorch#87464).
+INFOROM_CORRUPTED = 14
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         sys.stdout.write(run(sys.argv[1:] if argv is None else argv))
     except UsageError as exc:
         sys.stdout.write(exc.text)
         return exc.code
-    return 0
+    return _faults()
+
+
+def _faults() -> int:
+    """What the node's config adds to a full answer: ``inforom_corrupted`` (GPU indexes: their
+    warnings, exit 14) and ``garbage`` (a line nvidia-smi never prints as a row, appended)."""
+    directory = gpu_state.state_dir()
+    config = gpu_state.read_config(directory)
+    if config.get("garbage"):
+        sys.stdout.write(f"{config['garbage']}\n")
+    corrupted = [int(i) for i in config.get("inforom_corrupted", [])]
+    if not corrupted:
+        return 0
+    profile = PROFILES[config.get("profile", "h200")]
+    for index in corrupted:
+        bus_id = profile.bus_id.format(profile.bus_base + index)
+        sys.stdout.write(f"WARNING: infoROM is corrupted at gpu {bus_id.removeprefix('0000')}\n")
+    return INFOROM_CORRUPTED
 
 
 if __name__ == "__main__":
