@@ -91,6 +91,24 @@ def test_preflight_names_the_command_and_the_sudoers_line_before_anything_stops(
         assert emulated.systemctl("is-active", UNIT).stdout == "inactive\n"
         assert emulated.systemctl("is-enabled", UNIT).stdout == "disabled\n"
 
+    # A unit added to [autostart] later, outside the line: the sudo group's entry permits it
+    # with a password, so `sudo -n -l` lists it (exit 0), while `sudo -n` would refuse it in
+    # stop-autostart. Refused in preflight instead, nothing stopped.
+    other = "other-stack.service"
+    config = load_config(bed.config_path, env_file=None)
+    with NodeAccess(config.nodes[1], config) as login:
+        listed = login.runner.run(["sudo", "-n", "-l", str(systemctl), "stop", other], check=False)
+    assert listed.exit_code == 0, listed
+    before = bed.running()
+    state = run_flow(bed, autostart={"units": [UNIT, other]})
+    message = str(state.result(raise_on_failure=False))
+    assert state.is_failed() and "preflight" in message, message
+    assert (
+        f"`sudo -n` refuses `{systemctl} stop {other}` (sudoers allows it only with a password "
+        "(no NOPASSWD))"
+    ) in message
+    assert bed.running() == before
+
 
 @pytest.mark.parametrize(
     ("unit", "allowed"),

@@ -3,13 +3,15 @@
 is done.
 
 A login that is not root cannot stop or disable a system unit itself: systemd asks polkit, which
-over SSH has no agent to ask and fails ("Interactive authentication required"). ``sudo -n -l
-COMMAND`` tells, without running it, whether sudoers allows exactly that command without a
-password; sudoers names commands by their absolute path, so the tools are looked up first.
+over SSH has no agent to ask and fails ("Interactive authentication required"). Whether sudoers
+lets the login run exactly a command without a password is read, without running it, from the
+entries ``sudo -n -ll`` lists; sudoers names commands by their absolute path, so the tools are
+looked up first.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -66,24 +68,125 @@ def refused_as_root(
     runner: Runner, access: RootAccess, commands: Sequence[Sequence[str]]
 ) -> Refusal | None:
     """None when every command of ``commands`` can run as root (the login is root, or sudoers
-    allows each without a password); else which cannot: one round trip, two on a refusal."""
+    lets it run each without a password); else which cannot, and why. One round trip: the
+    login's sudoers entries as ``sudo -n -ll`` lists them, judged here. (``sudo -n -l
+    COMMAND`` is no such check: it lists a command sudoers permits with a password too, and
+    with one NOPASSWD entry the listing itself needs none.)"""
     if access.is_root or not commands:
         return None
-    checks = runner.run_all(
-        [["sudo", "-n", "-l", *access.command(c)] for c in commands], timeout=30
-    )
-    refused = tuple(tuple(c) for c, r in zip(commands, checks, strict=True) if not r.ok)
+    listing = runner.run(["sudo", "-n", "-ll"], check=False, timeout=30)
+    if not listing.ok:
+        words = (listing.stderr or listing.stdout).strip().splitlines()
+        if listing.exit_code == 127:
+            reason = "sudo is not installed there"
+        else:
+            reason = one_line(words[-1]) if words else "sudo -n -ll failed"
+        return Refusal(tuple(tuple(c) for c in commands), reason)
+    policy = SudoPolicy.parse(listing.stdout)
+    verdicts = {tuple(c): policy.verdict(access.command(c)) for c in commands}
+    refused = tuple(c for c, verdict in verdicts.items() if verdict is not None)
     if not refused:
         return None
-    again = runner.run(["sudo", "-n", "-l", *access.command(refused[0])], check=False, timeout=30)
-    words = (again.stderr or again.stdout).strip().splitlines()
-    if again.exit_code == 127:
-        reason = "sudo is not installed there"
-    elif words:
-        reason = one_line(words[-1])
-    else:
-        reason = "sudoers does not allow it without a password"
-    return Refusal(refused, reason)
+    return Refusal(refused, str(verdicts[refused[0]]))
+
+
+@dataclass(frozen=True)
+class SudoEntry:
+    """One entry of ``sudo -ll``: who it runs as, whether it asks a password, its commands."""
+
+    runas: tuple[str, ...]
+    authenticate: bool | None  # None: as the Defaults say
+    commands: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SudoPolicy:
+    """The login's sudoers as ``sudo -n -ll`` lists them (its Defaults, then each entry)."""
+
+    authenticate: bool  # the Defaults' (sudo's own default: a password is asked)
+    entries: tuple[SudoEntry, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> SudoPolicy:
+        """Its sections: "Matching Defaults entries ..." (options, comma-separated, wrapped),
+        then per "Sudoers entry:" its fields (``    Key: value``) and, under ``Commands:``,
+        one command per tab-indented line."""
+        defaults: list[str] = []
+        blocks: list[dict[str, list[str]]] = []
+        section, key = "", ""
+        for line in text.splitlines():
+            if line.startswith("Matching Defaults entries"):
+                section = "defaults"
+            elif line.startswith("Sudoers entry"):
+                section, key = "entry", ""
+                blocks.append({})
+            elif not line.strip() or not line[0].isspace():  # a blank, or "User ... may run"
+                section = "" if section == "defaults" else section
+            elif section == "defaults":
+                defaults += [d.strip() for d in line.split(",") if d.strip()]
+            elif section == "entry" and line.startswith("\t"):
+                blocks[-1].setdefault(key, []).append(line.strip())
+            elif section == "entry":
+                key, _, value = line.strip().partition(":")
+                blocks[-1].setdefault(key, []).extend([value.strip()] if value.strip() else [])
+        return cls("!authenticate" not in defaults, tuple(_entry(b) for b in blocks))
+
+    def verdict(self, argv: Sequence[str]) -> str | None:
+        """None when sudo runs ``argv`` as root without a password; else why not. The last
+        entry that matches decides, as in sudoers."""
+        why: str | None = "sudoers lists no entry for it"
+        for entry in self.entries:
+            if not {"ALL", "root"} & set(entry.runas):
+                continue
+            for pattern in entry.commands:
+                negated = pattern.startswith("!")
+                if not _command_matches(pattern.removeprefix("!").strip(), argv):
+                    continue
+                if negated:
+                    why = "sudoers forbids it (a ! entry)"
+                elif entry.authenticate if entry.authenticate is not None else self.authenticate:
+                    why = "sudoers allows it only with a password (no NOPASSWD)"
+                else:
+                    why = None
+        return why
+
+
+def _entry(fields: dict[str, list[str]]) -> SudoEntry:
+    def listed(key: str, default: str = "") -> list[str]:
+        joined = ",".join(fields.get(key, [default]))
+        return [item.strip() for item in joined.split(",") if item.strip()]
+
+    options = listed("Options")
+    authenticate = "authenticate" in options or None
+    if "!authenticate" in options:
+        authenticate = False
+    return SudoEntry(tuple(listed("RunAsUsers", "root")), authenticate,
+                     tuple(fields.get("Commands", [])))  # fmt: skip
+
+
+def _command_matches(pattern: str, argv: Sequence[str]) -> bool:
+    """Does a sudoers command (as ``sudo -ll`` prints it) match ``argv``: ALL; a path alone
+    (any arguments); a path with ``""`` (none); else path and arguments, with wildcards."""
+    if pattern == "ALL":
+        return True
+    path, _, args = pattern.partition(" ")
+    if not _path_matches(path, argv[0]):
+        return False
+    args = args.strip()
+    given = " ".join(argv[1:])
+    if not args:
+        return True
+    if args == '""':
+        return not given
+    return fnmatch.fnmatchcase(given, re.sub(r"\\(.)", r"\1", args))
+
+
+def _path_matches(pattern: str, path: str) -> bool:
+    """A sudoers path: its wildcards never match a ``/``."""
+    wanted, found = pattern.split("/"), path.split("/")
+    return len(wanted) == len(found) and all(
+        fnmatch.fnmatchcase(f, w) for w, f in zip(wanted, found, strict=True)
+    )
 
 
 def sudoers_line(access: RootAccess, commands: Sequence[Sequence[str]]) -> str:
