@@ -39,6 +39,7 @@ from tasks.standing.lock import holder
 from tasks.standing.marks import read_standing
 from tasks.standing.recoveries import declare_crashloop, pace, read_recover_runs
 from vllm_redeploy.config import ClusterConfig
+from vllm_redeploy.endpoint import refused_key
 from vllm_redeploy.events import unhealthy_event
 from vllm_redeploy.safe_text import one_line
 from vllm_redeploy.status import collect_status
@@ -63,6 +64,16 @@ class ClusterWatcher:
         generate = every > 0 and self.looks % every == 0
         self.looks += 1
         status = collect_status(config, quick=True, generate=generate)
+        if refused_key(status.endpoint.models_error):
+            self.state = WatchState()  # the engine answers: it is the watcher that lacks the key
+            log.warning(
+                "%s: the engine refuses the watcher's requests (%s). A redeploy would not give "
+                "the watcher the key, so no recovery is started: set the secret where the "
+                "watcher reads it (VLLM_REDEPLOY_SECRETS__VLLM_API_KEY in the cluster's env "
+                "file, then `vllm-redeploy install-controller` again, which restarts it)",
+                config.name, one_line(status.endpoint.models_error),
+            )  # fmt: skip
+            return
         if generate:
             found = status.endpoint.generation
             self.hang = found.problem if found is not None else None

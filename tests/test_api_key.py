@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import subprocess
 import time
@@ -38,6 +39,8 @@ from prefect.client.schemas.filters import (
 from typer.testing import CliRunner
 
 from deployments.cli import app
+from deployments.event_sender import EventSender
+from deployments.watcher import ClusterWatcher
 from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import make_bed
 from tests.test_config import MINIMAL
@@ -283,6 +286,31 @@ def test_the_engine_wants_the_key_on_v1_and_status_is_healthy_with_it(
     monkeypatch.delenv(SECRET)
     problems = collect_status(load_config(runs.path, env_file=None), quick=True).problems
     assert any("HTTP 401: the engine wants an API key and none is set" in p for p in problems)
+
+
+@pytest.mark.integration
+def test_a_watcher_without_the_key_says_so_at_each_look_and_starts_no_recovery(
+    runs: Runs, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, prefect_api: str
+) -> None:
+    """The engine answers /v1 with 401 to a watcher that lacks the key (a secret added after
+    install-controller ran): a redeploy would not fix that, so no look counts as bad."""
+    monkeypatch.delenv(SECRET, raising=False)
+    path = runs.bed.write_config(
+        runs.bed.root / "watched.toml",
+        vllm={"backend": "mp", "env": {"VRD_LOAD_SECONDS": "1"}},
+        watch={"failures": 1},
+    )
+    sender = EventSender(prefect_api)
+    watcher = ClusterWatcher(load_config(path, env_file=None), sender)
+    with caplog.at_level(logging.WARNING, logger="vllm_redeploy.watch"):
+        for _ in range(3):
+            watcher.look_once()
+    sender.close()
+    said = [r.getMessage() for r in caplog.records if "refuses the watcher's requests" in r.message]
+    assert len(said) == 3, caplog.text
+    assert "(HTTP 401: the engine wants an API key and none is set" in said[0]
+    assert "no recovery is started" in said[0] and "install-controller" in said[0]
+    assert (watcher.state.bad, watcher.state.reported, sender.sent) == (0, False, 0)
 
 
 @pytest.mark.integration
