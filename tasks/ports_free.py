@@ -1,5 +1,7 @@
 """Step "ports-free": once the old stack is stopped, nothing listens on the head's API and Ray
-ports. Not a preflight check: the stack being replaced usually holds these very ports."""
+ports, at any address the group's bind would collide with (vLLM's 0.0.0.0 collides with an old
+server on 127.0.0.1 or the LAN address). Not a preflight check: the stack being replaced
+usually holds these very ports."""
 
 from __future__ import annotations
 
@@ -54,8 +56,9 @@ def busy_ports(run: Run, plan: LaunchPlan) -> list[str]:
             f"code {result.exit_code} ({one_line(why[0])}); it comes with iproute2: install it "
             "on the node",
         )
+    binds = {port: _bind_address(run, port) for port in ports}
     found = {
-        port: [x for x in result.stdout.splitlines() if _listens(x, config.head.ip, port)]
+        port: [x for x in result.stdout.splitlines() if _listens(x, binds[port], port)]
         for port in ports
     }
     hidden = any(lines and not _owners(lines) for lines in found.values())
@@ -64,7 +67,7 @@ def busy_ports(run: Run, plan: LaunchPlan) -> list[str]:
         again = run.head.runner.run(["sudo", "-n", *result.argv], check=False)
         if again.ok:
             found = {
-                port: [x for x in again.stdout.splitlines() if _listens(x, config.head.ip, port)]
+                port: [x for x in again.stdout.splitlines() if _listens(x, binds[port], port)]
                 for port in ports
             }
     return [
@@ -74,14 +77,27 @@ def busy_ports(run: Run, plan: LaunchPlan) -> list[str]:
     ]
 
 
-def _listens(ss_line: str, ip: str, port: int) -> bool:
-    """Does this `ss -Hltn` line listen on ``port`` at this IP or a wildcard address?"""
+WILDCARD = ("0.0.0.0", "*", "::", "")  # noqa: S104 - comparing, not binding
+
+
+def _bind_address(run: Run, port: int) -> str:
+    """Where the group will listen on ``port``: the API at ``[vllm] host`` (vLLM's default,
+    and ours, 0.0.0.0), the backend's ports (Ray's GCS, the rendezvous) on every address."""
+    return run.config.vllm.host if port == run.config.vllm.port else "0.0.0.0"  # noqa: S104
+
+
+def _listens(ss_line: str, bind: str, port: int) -> bool:
+    """Would this `ss -Hltn` listener keep the group from binding ``bind``:``port``? A bind to
+    every address fails on any listener of the port (127.0.0.1, the LAN address, ...); one to
+    an address, on a listener there or on every address."""
     fields = ss_line.split()
     if len(fields) < 4:
         return False
     address, _, listen_port = fields[3].rpartition(":")
-    wildcard = ("0.0.0.0", "*", "::")  # noqa: S104 - comparing, not binding
-    return listen_port == str(port) and address.strip("[]") in (ip, *wildcard)
+    address = address.strip("[]").split("%")[0]  # [::1], fe80::1%eth0
+    if listen_port != str(port):
+        return False
+    return bind in WILDCARD or address in (bind, *WILDCARD)
 
 
 def _owners(ss_lines: list[str]) -> str:

@@ -583,17 +583,23 @@ def test_an_nvidia_smi_line_that_is_not_a_row_is_refused_before_anything_stops(
     row.detect = f"{outcome.ended - outcome.started:.1f} s after the start, before any change"
 
 
-@pytest.mark.parametrize("which", ["api", "ray"])
+@pytest.mark.parametrize("which", ["api", "ray", "api-on-loopback"])
 def test_stray_listener_on_a_port(fault_bed: TestBed, row: Row, which: str) -> None:
-    backend = RAY if which == "ray" else {}
+    """On the head's address; and, for an API bound to every address (vLLM's 0.0.0.0), an old
+    server on 127.0.0.1, which that bind would collide with."""
+    backend: dict[str, Any] = RAY if which == "ray" else {}
+    if which == "api-on-loopback":
+        backend = {"host": "0.0.0.0"}  # the product's default
     config = bed_config(fault_bed, vllm=backend)
-    port = config.vllm.port if which == "api" else config.ray.port
-    label = "API port" if which == "api" else "Ray port"
-    row.fault = f"stray listener on the {label} ({port}) of {HEAD}"
+    port = config.vllm.port if which != "ray" else config.ray.port
+    label = "API port" if which != "ray" else "Ray port"
+    address = "127.0.0.1" if which == "api-on-loopback" else fault_bed.node(HEAD).ip
+    row.fault = f"stray listener on the {label} ({address}:{port}) of {HEAD}"
     remove_ours(fault_bed)
+    fault_bed.node(HEAD).systemctl("stop", image.OLD_STACK_UNIT)  # it serves the API port
     with socket.socket() as stray:
         stray.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        stray.bind((fault_bed.node(HEAD).ip, port))
+        stray.bind((address, port))
         stray.listen()
         outcome = run_flow(fault_bed, deadlines={"gpu_release_s": 3}, vllm=backend)
     message = outcome.message
