@@ -572,6 +572,9 @@ def serve_webhook(
         webhook_secret(config)
     host = host or _one_setting(configs, "host", lambda w: w.host, flag=True)
     port = port or int(_one_setting(configs, "port", lambda w: w.port, flag=True))
+    for config in configs:
+        if why := config.webhook.unreachable(host):
+            log.warning("%s: %s", config.name, why)
     limits = fit_open_files(connection_limits(configs), raise_soft_limit=True)
     if sender is None:
         spool = spool_directory(configs)

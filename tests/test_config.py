@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from deployments.cli import app
 from vllm_redeploy.config import ConfigError, load_config
+from vllm_redeploy.config.runs import WebhookConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "cluster.example.toml"
@@ -240,3 +241,26 @@ def test_secret_of_the_wrong_shape_is_not_echoed(
     path = write(tmp_path, MINIMAL + '[secrets]\nhf_token = ["hf_leaky_value_987"]\n')
     code, output = check_config(path)
     assert code == 2 and "secrets.hf_token" in output and "hf_leaky_value_987" not in output
+
+
+@pytest.mark.parametrize(
+    ("url", "host", "unreachable"),
+    [
+        ("http://192.0.2.10:8787", "127.0.0.1", True),  # the default bind, a LAN URL
+        ("http://controller:8787", "127.0.0.2", True),  # all of 127.0.0.0/8
+        ("http://192.0.2.10:8787", "0.0.0.0", False),
+        ("http://192.0.2.10:8787", "192.0.2.10", False),
+        ("http://127.0.0.1:8787", "127.0.0.1", False),  # the nodes are this machine
+        ("http://localhost:8787", "127.0.0.1", False),
+        (None, "127.0.0.1", False),
+    ],
+)
+def test_a_webhook_bound_to_loopback_that_the_nodes_are_to_reach_is_named(
+    url: str | None, host: str, unreachable: bool
+) -> None:
+    """Item 9 of issue 50: nothing said so, and the notifiers retried for an hour."""
+    why = WebhookConfig(url=url, host=host).unreachable()
+    assert (why is not None) == unreachable, why
+    if why:
+        assert why.startswith(f"the webhook binds {host}:8787, which only this machine reaches")
+        assert f"[webhook] url ({url})" in why and "Set [webhook] host" in why

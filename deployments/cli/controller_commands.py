@@ -140,6 +140,8 @@ def install_notifier_command(
     cluster = load_or_exit(config)
     from deployments.install_notifier import install_notifier
 
+    if why := cluster.webhook.unreachable():
+        err.print(for_terminal(f"warning: {why}"), markup=False, highlight=False, soft_wrap=True)
     try:
         for line in install_notifier(cluster, node, prefix):
             out.print(for_terminal(line), markup=False, highlight=False)

@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr
 
@@ -128,6 +130,25 @@ class WebhookConfig(Section):
         "127.0.0.1", description="Address the webhook service binds (0.0.0.0 for the fabric)."
     )
     port: Port = Field(8787, description="Port of the webhook service.")
+
+    def unreachable(self, host: str | None = None) -> str | None:
+        """Why the nodes cannot reach the webhook at ``url`` while it binds ``host`` (default:
+        its own): a loopback bind that ``url`` names another address of. None when nothing
+        says so (a proxy on this machine may still forward to a loopback bind: then say so)."""
+        bind = host or self.host
+        if self.url is None or not _loopback(bind):
+            return None
+        named = urlsplit(self.url).hostname or ""
+        if _loopback(named):
+            return None
+        return (
+            f"the webhook binds {bind}:{self.port}, which only this machine reaches, while "
+            f"[webhook] url ({self.url}) is how the nodes are to reach it: their reboot notices "
+            "would be retried for an hour and dropped. Set [webhook] host to an address the "
+            "nodes reach (0.0.0.0 for every address), or leave it if a proxy on this machine "
+            "forwards that URL to it"
+        )
+
     replay_window_s: Seconds = Field(
         300, description="Signed calls older or newer than this are refused (replay protection)."
     )
@@ -215,3 +236,12 @@ class SyncConfig(Section):
     stall_s: Seconds = Field(
         60, description="A copy that moves no byte for this long fails (a cut link, a hung side)."
     )
+
+
+def _loopback(host: str) -> bool:
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
