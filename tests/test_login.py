@@ -154,3 +154,32 @@ def test_the_kernel_log_is_read_through_sudo_where_it_is_allowed(bed: TestBed) -
         assert _kernel_oom(two) == (
             "### kernel OOM lines\n(the kernel log could not be read: sudo: a password is required)"
         )
+
+
+def test_a_login_outside_the_docker_group_is_told_in_dockers_words_and_how_to_fix_it(
+    bed: TestBed,
+) -> None:
+    """NVIDIA's playbooks add the login to `docker` as a step of their own: a node where that
+    step was missed answers `docker system dial-stdio` with "permission denied", which the SDK
+    only sees as a closed connection. Refused in preflight, in Docker's words, with the fix."""
+    node = bed.nodes[1]
+    group = node.run(["cat", "/etc/group"]).stdout
+    without = re.sub(
+        r"^(docker:[^:]*:[^:]*:)(.*)$",
+        lambda m: m.group(1) + ",".join(u for u in m.group(2).split(",") if u != users.LOGIN),
+        group,
+        flags=re.MULTILINE,
+    )
+    assert without != group
+    before = bed.running()
+    node.write_file("/etc/group", without)
+    try:
+        state = run_flow(bed)
+    finally:
+        node.write_file("/etc/group", group)
+    message = str(state.result(raise_on_failure=False))
+    assert state.is_failed(), message
+    docker_said = f"dial unix {node.engine.socket}: connect: permission denied"  # dial-stdio's
+    assert message.startswith("Docker on node-2: version failed: ") and docker_said in message
+    assert f"`sudo usermod -aG docker {users.LOGIN}`" in message
+    assert bed.running() == before
