@@ -1,14 +1,17 @@
-"""Docker operations through the docker SDK, on a real engine: locally and over SSH."""
+"""Docker operations through the docker SDK, on a real engine: locally and over SSH; and an
+engine that never answers (a socket that accepts and stays silent)."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import socket
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import docker
 import pytest
 
 from tests.conftest import TEST_IMAGE
@@ -25,7 +28,7 @@ from vllm_redeploy.nodes import (
     project_labels,
 )
 from vllm_redeploy.nodes.containers import LABEL_CLUSTER
-from vllm_redeploy.nodes.docker import node_docker_for
+from vllm_redeploy.nodes.docker import DockerError, node_docker_for
 from vllm_redeploy.nodes.ssh import MAX_CHANNELS
 
 pytestmark = pytest.mark.integration
@@ -233,3 +236,21 @@ def cache_config(image: str, cache: Path) -> ClusterConfig:
         vllm={"image": image, "model": "/models/none"},
         cache={"dir": str(cache)},
     )
+
+
+def test_a_call_the_engine_never_answers_says_so_in_words(tmp_path: Path) -> None:
+    """A Docker engine that accepts a call and never answers (stuck, or swamped): the call
+    ends at the client's timeout with words, not "unexpected error" (issue 50, item 6). The
+    engine here is a socket that accepts and stays silent; the client's timeout is 1 s."""
+    path = tmp_path / "stuck.sock"
+    with socket.socket(socket.AF_UNIX) as stuck:
+        stuck.bind(str(path))
+        stuck.listen()
+        client = docker.DockerClient(base_url=f"unix://{path}", version="1.44", timeout=1)
+        node = NodeDocker("node-2", client)
+        with pytest.raises(DockerError) as raised:
+            node.version()
+    assert str(raised.value).startswith(
+        "Docker on node-2: version got no answer within 1 s: its engine is stuck or overloaded"
+    ), raised.value
+    assert not raised.value.transient

@@ -220,7 +220,8 @@ class NodeDocker:
             except requests.exceptions.Timeout:
                 raise DockerError(
                     self.node,
-                    f"Docker on {self.node}: {what} got no answer within {API_TIMEOUT_S} s: its "
+                    f"Docker on {self.node}: {what} got no answer within "
+                    f"{self._client.api.timeout:g} s: its "
                     f"engine is stuck or overloaded (on {self.node}: `systemctl status docker`, "
                     "`journalctl -u docker`)",
                 ) from None
