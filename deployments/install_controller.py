@@ -28,6 +28,8 @@ changed) and `systemctl enable` of the Prefect server and the cluster's units.
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import re
 import secrets
@@ -38,6 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from dotenv import dotenv_values
 
 from vllm_redeploy.config.toml_text import toml_document
 
@@ -160,6 +164,9 @@ def derived_env(text: str, service: Literal["watch", "webhook"]) -> str:
         key = line.partition("=")[0].strip().removeprefix("export ").strip().upper()
         if not line or line.startswith("#") or "=" not in line:
             continue
+        if key == SECRETS_PREFIX:  # the whole table as JSON: the service's own, key by key
+            kept += _own_secrets(line, service)
+            continue
         wanted = (
             key.startswith(WEBHOOK_ENV_PREFIXES)
             if service == "webhook"
@@ -172,6 +179,23 @@ def derived_env(text: str, service: Literal["watch", "webhook"]) -> str:
         "# install-controller` on every run: edit the cluster's .env, then run it again.",
     ]
     return "\n".join([*head, *kept, ""])
+
+
+def _own_secrets(line: str, service: Literal["watch", "webhook"]) -> list[str]:
+    """Of a ``VLLM_REDEPLOY_SECRETS=<JSON>`` line, the secrets ``service`` uses, one variable
+    each (``VLLM_REDEPLOY_SECRETS__NAME="..."``): the JSON whole would hand it all of them."""
+    value = dotenv_values(stream=io.StringIO(line)).get(SECRETS_PREFIX) or ""
+    try:
+        table = json.loads(value)
+    except ValueError:
+        return []  # the loader says what is wrong with it, where the cluster's env is read
+    if not isinstance(table, dict):
+        return []
+    return [
+        f"{SECRETS_PREFIX}__{name.upper()}={json.dumps(str(table[name]))}"
+        for name in SERVICE_SECRETS[service]
+        if table.get(name)
+    ]
 
 
 def derived_toml(data: dict[str, Any], service: Literal["watch", "webhook"]) -> str:

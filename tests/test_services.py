@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -37,11 +38,13 @@ from deployments.install_controller import (
     SOURCE_DIR,
     WEBHOOK_USER,
     cluster_units,
+    derived_env,
     install_controller,
     read_env,
     unit_files,
 )
 from deployments.webhook import SECRET_ENV
+from tests.test_config import MINIMAL
 from tests.test_webhook import notice, signed
 from tests.testbed.bed import TestBed
 from tests.testbed.node import EmulatedNode
@@ -893,3 +896,27 @@ def test_docker_compose_accepts_the_file(tmp_path: Path) -> None:
         [*base, "config"], capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"}
     )
     assert missing.returncode != 0 and "in compose.env" in missing.stderr
+
+
+@pytest.mark.parametrize("quote", ["'", ""])
+def test_the_secrets_as_one_json_variable_give_each_service_its_own(
+    tmp_path: Path, quote: str
+) -> None:
+    """`VLLM_REDEPLOY_SECRETS=<JSON>` in the cluster's env file (the whole [secrets] table in one
+    variable, as the loader accepts it): install-controller dropped it from both services' env
+    files, so the watcher lacked vLLM's key. Each now gets its own secrets, and no other."""
+    table = {"vllm_api_key": "sk-json-key", "hf_token": "hf_json", "webhook_secret": "w" * 40}
+    text = f"PREFECT_API_URL=http://127.0.0.1:4200/api\nVLLM_REDEPLOY_SECRETS={quote}"
+    text += json.dumps(table) + f"{quote}\n"
+    watch, webhook = derived_env(text, "watch"), derived_env(text, "webhook")
+    assert "hf_json" not in watch + webhook and "w" * 40 not in watch
+    assert "sk-json-key" not in webhook
+    path = tmp_path / "cluster.toml"
+    path.write_text(MINIMAL)
+    env = tmp_path / "cluster.watch.env"
+    env.write_text(watch)
+    secrets = load_config(path, env_file=env).secrets
+    assert secrets.vllm_api_key is not None
+    assert secrets.vllm_api_key.get_secret_value() == "sk-json-key"
+    (tmp_path / "webhook.env").write_text(webhook)
+    assert read_env(tmp_path / "webhook.env")["VLLM_REDEPLOY_SECRETS__WEBHOOK_SECRET"] == "w" * 40
