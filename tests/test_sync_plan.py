@@ -1,4 +1,5 @@
-"""What the sync step copies, judged from what each node holds (no node needed)."""
+"""What the sync step copies, judged from what each node holds (no node needed; the listing
+runs here, in this machine's sh and find)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ import pytest
 
 from tests.testbed.bed import to_toml
 from vllm_redeploy.config import ClusterConfig, ConfigError, load_config
-from vllm_redeploy.sync import FileEntry, Holdings, Manifest, parse_manifest, plan_sync
+from vllm_redeploy.model_source import model_source
+from vllm_redeploy.nodes import LocalRunner
+from vllm_redeploy.sync import (
+    FileEntry,
+    Holdings,
+    Manifest,
+    manifest_argv,
+    parse_manifest,
+    plan_sync,
+)
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "cluster.example.toml"
 ID_A = "sha256:" + "a" * 64
@@ -33,13 +43,13 @@ def manifest(**files: tuple[int, int]) -> Manifest:
 
 def test_find_output_becomes_files_and_what_a_cut_copy_left() -> None:
     out = (
-        "T\t/models/m\n"
-        "F\t./config.json\t120\t1700000000.5\n"
-        "F\t./model-00001-of-00002.safetensors\t4000\t1700000001.0000000000\n"
-        "F\t./sub/model-00002-of-00002.safetensors\t5000\t1700000002.9\n"
-        "F\t./.vllm-redeploy-incoming/model-00003.safetensors\t7\t1700000003.0\n"
-        "F\t./deep/er/x.safetensors\t99\t1.0\n"
-        "L\t./sub/model-00002-of-00002.safetensors\t/models/m/blobs/b2\n"
+        "T\t/models/m\0"
+        "F\t120\t1700000000.5\t./config.json\0"
+        "F\t4000\t1700000001.0000000000\t./model-00001-of-00002.safetensors\0"
+        "F\t5000\t1700000002.9\t./sub/model-00002-of-00002.safetensors\0"
+        "F\t7\t1700000003.0\t./.vllm-redeploy-incoming/model-00003.safetensors\0"
+        "F\t99\t1.0\t./deep/er/x.safetensors\0"
+        "L\t./sub/model-00002-of-00002.safetensors\0/models/m/blobs/b2\0"
     )
     found = parse_manifest(out, 0)
     assert set(found.files) == {
@@ -145,3 +155,28 @@ def test_with_checksums_times_alone_do_not_count(tmp_path: Path) -> None:
     (need,) = plan_sync(cluster, held).needs
     assert need.reasons == {"modified at another time": 2}
     assert plan_sync(cluster, held, {worker: set()}).needs == ()  # same content: nothing to copy
+
+
+def test_every_byte_a_name_may_hold_is_listed_and_nothing_outside_is_taken(
+    tmp_path: Path,
+) -> None:
+    """The real listing (sh and GNU find, through the local runner as on a node) of names
+    holding a carriage return, a newline and a tab: each is the model's; a listing that names
+    paths outside the tree (a hostile source) gets them refused, never taken as files to copy
+    (issue 51)."""
+    model = tmp_path / "model"
+    (model / "sub").mkdir(parents=True)
+    names = ["a\rb.json", "line\nbreak.json", "tab\there.json", "sub/plain.safetensors"]
+    for name in names:
+        (model / name).write_text("x")
+    source = model_source(str(model), None)
+    done = LocalRunner("here").run(manifest_argv(source), check=False)
+    found = parse_manifest(done.stdout, done.exit_code or 0)
+    assert sorted(found.files) == sorted(names) and found.link_problems() == []
+    hostile = "T\t/models/m\0F\t4\t1.0\t../../etc/shadow\0F\t4\t1.0\t/etc/passwd\0"
+    taken = parse_manifest(hostile + "F\t4\t1.0\t./ok.json\0", 0)
+    assert list(taken.files) == ["ok.json"]
+    assert taken.link_problems() == [
+        "../../etc/shadow is listed, outside the model's directory",
+        "/etc/passwd is listed, outside the model's directory",
+    ]

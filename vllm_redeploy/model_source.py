@@ -69,12 +69,13 @@ class ModelSource:
         return self.snapshot or self.tree
 
     def listing_script(self, stage: str) -> str:
-        """A shell script (the tree is ``$1``) that prints, tab-separated: first ``T`` and the
-        tree's canonical path; one ``L path target`` per link (``readlink -e``: empty when it
-        dangles); then, unless a link dangles or leaves the tree (exit 4: nothing is followed
-        out of it), one ``F path size mtime`` per file of the model, links followed. Exit 3:
-        the tree, or its revision, is not there. Paths are relative to the tree; files a cut
-        copy left under ``stage`` are listed too."""
+        """A shell script (the tree is ``$1``) that prints records, each ended by a NUL (the
+        one byte no file name holds; a newline, a ``\\r`` or a tab may be in one): first
+        ``T<tab>tree``, its canonical path; per link ``L<tab>path`` then ``target``
+        (``readlink -e``: empty when it dangles); then, unless a link dangles or leaves the
+        tree (exit 4: nothing is followed out of it), per file of the model, links followed,
+        ``F<tab>size<tab>mtime<tab>path``. Exit 3: the tree, or its revision, is not there.
+        Paths are relative to the tree; files a cut copy left under ``stage`` are listed too."""
         if self.cached:
             parts = (
                 "rev=$(cat -- refs/main 2>/dev/null)\n"
@@ -96,14 +97,14 @@ class ModelSource:
             f"{parts}"
             '[ -d "$need" ] || exit 3\n'
             "tree=$(pwd -P)\n"
-            "printf 'T\\t%s\\n' \"$tree\"\n"
+            "printf 'T\\t%s\\0' \"$tree\"\n"
             f"{staged}"
             'find "$@" -type l -exec sh -c \''
             't=$1; shift; bad=0; for l; do r=$(readlink -e -- "$l"); '
-            'printf "L\\t%s\\t%s\\n" "$l" "$r"; '
+            'printf "L\\t%s\\0%s\\0" "$l" "$r"; '
             'case $r/ in "$t"/*) ;; *) bad=1;; esac; done; exit $bad'
             '\' sh "$tree" {} + || exit 4\n'
-            "find -L \"$@\" -type f -printf 'F\\t%p\\t%s\\t%T@\\n' 2>/dev/null\n"
+            "find -L \"$@\" -type f -printf 'F\\t%s\\t%T@\\t%p\\0' 2>/dev/null\n"
             "exit 0\n"
         )
 

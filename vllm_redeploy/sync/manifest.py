@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from vllm_redeploy.model_source import ModelSource, link_problems
+from vllm_redeploy.safe_text import shown
 
 STAGE = ".vllm-redeploy-incoming"
 LINKS_REFUSED = 4  # the listing's exit when a link dangles or leaves the tree
@@ -37,6 +38,7 @@ class Manifest:
     staged: dict[str, FileEntry]
     links: dict[str, str] = field(default_factory=dict)
     tree: str = ""
+    outside: tuple[str, ...] = ()  # listed paths that are not inside the tree: never copied
 
     @property
     def weights_bytes(self) -> int | None:
@@ -49,7 +51,12 @@ class Manifest:
         return sum(sizes) if sizes else None
 
     def link_problems(self) -> list[str]:
-        return link_problems(self.tree, self.links) if self.tree else []
+        """What no container or copy may follow: unsafe links, and listed paths outside the
+        tree (a hostile listing: the source's tar would read them into a target's stage)."""
+        found = link_problems(self.tree, self.links) if self.tree else []
+        return found + [
+            f"{shown(p)} is listed, outside the model's directory" for p in self.outside
+        ]
 
 
 def manifest_argv(source: ModelSource) -> list[str]:
@@ -59,27 +66,45 @@ def manifest_argv(source: ModelSource) -> list[str]:
 
 
 def parse_manifest(out: str, exit_code: int) -> Manifest:
-    """The listing's answer; a tree (or revision) that is not there (exit 3) is absent."""
+    """The listing's answer (NUL-ended records: ModelSource.listing_script); a tree (or
+    revision) that is not there (exit 3) is absent. A listed path that is absolute or climbs
+    out of the tree (``..``) is never taken as the model's: it is kept in ``outside``."""
     files: dict[str, FileEntry] = {}
     staged: dict[str, FileEntry] = {}
     links: dict[str, str] = {}
+    outside: list[str] = []
     tree = ""
-    for line in out.splitlines():
-        kind, _, rest = line.partition("\t")
-        parts = rest.split("\t")
+    records = iter(out.split("\0"))
+    for record in records:
+        kind, _, rest = record.partition("\t")
         if kind == "T":
             tree = rest
-        elif kind == "L" and len(parts) == 2:
-            links[parts[0].removeprefix("./")] = parts[1]
-        elif kind == "F" and len(parts) == 3 and parts[1].isdigit():
-            path, size, mtime = parts[0].removeprefix("./"), int(parts[1]), int(float(parts[2]))
-            if path.startswith(f"{STAGE}/"):
-                entry = FileEntry(path.removeprefix(f"{STAGE}/"), size, mtime)
+        elif kind == "L":
+            target = next(records, "")
+            if _inside(path := rest.removeprefix("./")):
+                links[path] = target
+            else:
+                outside.append(rest)
+        elif kind == "F":
+            size, _, rest = rest.partition("\t")
+            mtime, _, raw = rest.partition("\t")
+            path = raw.removeprefix("./")
+            if not size.isdigit() or not raw:
+                continue
+            if not _inside(path):
+                outside.append(raw)
+            elif path.startswith(f"{STAGE}/"):
+                entry = FileEntry(path.removeprefix(f"{STAGE}/"), int(size), int(float(mtime)))
                 staged[entry.path] = entry
             else:
-                files[path] = FileEntry(path, size, mtime)
+                files[path] = FileEntry(path, int(size), int(float(mtime)))
     present = exit_code in (0, LINKS_REFUSED) or bool(files)
-    return Manifest(present, files, staged, links, tree)
+    return Manifest(present, files, staged, links, tree, tuple(outside))
+
+
+def _inside(path: str) -> bool:
+    """Is ``path`` (as listed, relative to the tree) a path inside it?"""
+    return bool(path) and not path.startswith("/") and ".." not in path.split("/")
 
 
 NO_MODEL = Manifest(False, {}, {})
