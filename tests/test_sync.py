@@ -343,6 +343,31 @@ def test_verify_finds_a_file_that_only_looks_the_same(sync_bed: TestBed) -> None
     assert same_files(own["node-1"], own["node-2"])
 
 
+def test_verify_gives_equal_files_the_sources_times_so_the_next_sync_copies_nothing(
+    sync_bed: TestBed,
+) -> None:
+    """Two nodes that each downloaded the same files at different times (issue 51): the
+    times differ, so a sync by size and time would copy everything. `--verify` finds them equal
+    by content, copies nothing, and gives them the source's times: the next sync agrees."""
+    bed = sync_bed
+    model, own = own_model(bed, "retime", shards=2)
+    own["node-2"].mkdir()
+    for f in own["node-1"].iterdir():
+        shutil.copyfile(f, own["node-2"] / f.name)  # the same bytes, written now
+        os.utime(own["node-2"] / f.name, (1_600_000_000, 1_600_000_000))
+    as_login(own["node-2"])
+    path = config_for(bed, "retime", model)
+    quick = cli("sync", "--model", "--dry-run", "-c", str(path))
+    assert "model: 3 file(s)" in quick.stdout, quick.stdout  # by times: all of them
+    checked = cli("sync", "--model", "--verify", "-c", str(path))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "node-2: 3 file(s) equal by content got the source's times" in checked.stdout
+    assert "nothing to copy" in checked.stdout, checked.stdout
+    again = cli("sync", "--model", "-c", str(path))
+    assert again.returncode == 0 and "nothing to copy" in again.stdout, again.stdout
+    assert same_files(own["node-1"], own["node-2"])
+
+
 REPO = "Qwen/Qwen3.5-122B-A10B-FP8"
 
 

@@ -40,7 +40,7 @@ from vllm_redeploy.sync import (
     survey,
     sync_target,
 )
-from vllm_redeploy.sync.verify import differing
+from vllm_redeploy.sync.verify import differing, equal_but_retimed, set_times
 
 
 @app.command()
@@ -102,6 +102,8 @@ def _sync(
     plan = plan_sync(cluster, held, suspect)
     for problem in plan.problems:
         err.print(f"[red]{markup_safe(problem)}[/]", highlight=False, soft_wrap=True)
+    if suspect is not None:
+        _retime(cluster, accesses, equal_but_retimed(source.name, held, suspect), dry_run)
     if not plan.needs:
         out.print(f"every node holds what {plan.source} holds: nothing to copy")
         raise typer.Exit(EXIT_UNREACHABLE if plan.problems else 0)
@@ -122,6 +124,26 @@ def _sync(
     for c in copied:
         out.print(
             f"{c.target}: {c.what}, {human_bytes(c.bytes)} in {c.seconds:.1f} s ({c.rate})",
+            highlight=False,
+        )
+
+
+def _retime(
+    cluster: ClusterConfig,
+    accesses: dict[str, NodeAccess],
+    retimed: dict[str, dict[str, int]],
+    dry_run: bool,
+) -> None:
+    """The files equal by content but of another time get the source's time on the target
+    (not on a dry run): the next run compares times, and would copy them all again."""
+    for name, times in sorted(retimed.items()):
+        if not times:
+            continue
+        if not dry_run:
+            set_times(accesses[name], cluster.vllm.source.tree, times)
+        done = "would get" if dry_run else "got"
+        out.print(
+            f"{name}: {len(times)} file(s) equal by content {done} the source's times",
             highlight=False,
         )
 

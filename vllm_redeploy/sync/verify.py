@@ -1,5 +1,7 @@
 """``--verify``: the model files of the same size on the source and a target, compared by
-content (SHA-256 on each node; only the digests travel), whatever their modification times."""
+content (SHA-256 on each node; only the digests travel), whatever their modification times. A
+file found equal gets the source's time on the target, so that the next run, which compares
+sizes and times, agrees and copies nothing."""
 
 from __future__ import annotations
 
@@ -8,6 +10,12 @@ from vllm_redeploy.sync.manifest import FileEntry
 from vllm_redeploy.sync.plan import Holdings
 
 HASH = 'cd -- "$1" && xargs -0 sha256sum --'
+# Each NUL-ended (path, seconds) pair on stdin: the file's modification time set (links followed,
+# as the listing follows them: a snapshot's link stands for its blob).
+RETIME = (
+    'cd -- "$1" && while IFS= read -r -d "" p && IFS= read -r -d "" t; do '
+    'touch -m -d "@$t" -- "$p" || exit 1; done'
+)
 HASH_TIMEOUT_S = 24 * 3600.0  # 122 GB at a disk's 1-3 GB/s is minutes; a slow disk, an hour
 
 
@@ -48,3 +56,30 @@ def differing(
 
 def _same_size(entry: FileEntry, held: FileEntry | None) -> bool:
     return held is not None and held.size == entry.size
+
+
+def equal_but_retimed(
+    source: str, held: list[Holdings], suspect: dict[str, set[str]]
+) -> dict[str, dict[str, int]]:
+    """Per target, the files ``--verify`` found equal whose time differs from the source's:
+    path -> the source's time."""
+    by_node = {h.node: h for h in held}
+    mine = by_node[source].model.files
+    found = {}
+    for name, differs in suspect.items():
+        theirs = by_node[name].model.files
+        found[name] = {
+            p: entry.mtime
+            for p, entry in mine.items()
+            if _same_size(entry, theirs.get(p)) and p not in differs
+            and theirs[p].mtime != entry.mtime
+        }  # fmt: skip
+    return found
+
+
+def set_times(access: NodeAccess, model: str, times: dict[str, int]) -> None:
+    """Give each file of ``times`` on the node its time (the source's)."""
+    if not times:
+        return
+    pairs = b"".join(f"{p}\0{t}\0".encode() for p, t in sorted(times.items()))
+    access.runner.run(["bash", "-c", RETIME, "bash", model], stdin=pairs, timeout=600)
