@@ -157,9 +157,11 @@ def _entry(fields: dict[str, list[str]]) -> SudoEntry:
         return [item.strip() for item in joined.split(",") if item.strip()]
 
     options = listed("Options")
-    authenticate = "authenticate" in options or None
+    authenticate: bool | None = None  # the Defaults decide
     if "!authenticate" in options:
         authenticate = False
+    elif "authenticate" in options:
+        authenticate = True
     return SudoEntry(tuple(listed("RunAsUsers", "root")), authenticate,
                      tuple(fields.get("Commands", [])))  # fmt: skip
 
