@@ -418,7 +418,11 @@ def test_a_port_check_that_cannot_run_fails_the_step(prefect_api: str, lock_bed:
     assert all(not found for found in ours(lock_bed, "bed").values())
 
 
-def test_a_gpu_check_that_cannot_run_fails_the_step(prefect_api: str, lock_bed: TestBed) -> None:
+def test_a_gpu_check_that_cannot_run_fails_before_anything_stops(
+    prefect_api: str, lock_bed: TestBed
+) -> None:
+    """nvidia-smi is read in preflight (issue 50): a driver that does not answer is found
+    there, in nvidia-smi's words, before the old stack is stopped."""
     worker = lock_bed.nodes[1]
     broken = worker.bin_dir / "nvidia-smi.real"
     (worker.bin_dir / "nvidia-smi").rename(broken)
@@ -434,11 +438,12 @@ def test_a_gpu_check_that_cannot_run_fails_the_step(prefect_api: str, lock_bed: 
     finally:
         broken.replace(smi)
     message = str(state.result(raise_on_failure=False))
-    assert state.is_failed() and message.startswith(
-        f"gpus-clear: could not check the GPUs on {worker.name} (is the NVIDIA driver loaded"
-    ), message
-    assert "command failed with exit code 9" in message
-    assert "couldn't communicate with the NVIDIA driver" in message
+    assert state.is_failed() and message.startswith("preflight: "), message
+    assert (
+        f"{worker.name}: nvidia-smi failed (exit code 9: NVIDIA-SMI has failed because it "
+        "couldn't communicate with the NVIDIA driver."
+    ) in message
+    assert "nothing was stopped" in message
 
 
 def test_the_status_and_ensure_agree(prefect_api: str, lock_bed: TestBed) -> None:
