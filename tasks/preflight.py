@@ -39,7 +39,6 @@ from vllm_redeploy.nodes.privilege import SUDOERS_FILE, refused_as_root, sudoers
 from vllm_redeploy.nodes.result import CommandResult
 from vllm_redeploy.parsers import nvidia_smi
 from vllm_redeploy.parsers.fabric import FABRIC_ARGV, FabricFacts, parse_fabric
-from vllm_redeploy.parsers.nvidia_smi import GPUS_ARGV
 from vllm_redeploy.safe_text import one_line
 from vllm_redeploy.sync import Manifest, manifest_argv, parse_manifest, unsafe_links
 
@@ -133,7 +132,7 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
             ["ip", "route", "get", ip],
             list(FABRIC_ARGV),
             manifest_argv(config.vllm.source),
-            list(GPUS_ARGV),
+            list(nvidia_smi.GPUS_ARGV),
         ],
         timeout=60,
     )
@@ -200,7 +199,7 @@ def _gpu_problem(name: str, gpus: CommandResult) -> str | None:
         return (
             f"{name}: nvidia-smi's answer cannot be read ({one_line(exc)}), so whether its GPUs "
             "are free cannot be told and nothing was stopped. Run `nvidia-smi "
-            f"{shlex.join(GPUS_ARGV[1:])}` on the node to see what it prints"
+            f"{shlex.join(nvidia_smi.GPUS_ARGV[1:])}` on the node to see what it prints"
         )
     return None if listed else f"{name}: nvidia-smi lists no GPU"
 
