@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -252,6 +253,27 @@ def readme_automation() -> dict[str, Any]:
     return yaml.safe_load(block[: block.index("```")])
 
 
+def _until_armed(prefect_api: str, receiver: Receiver) -> None:
+    """Post a `vllm.cluster.failed` of a throwaway cluster until its notification comes back.
+
+    Prefect's triggers service loads a new automation on its next periodic pass (every 5 s, later
+    on busy cores) and an event that arrives before that is never matched: without this, the run's
+    own event can beat its automation (seen on CI)."""
+    resource = f"vllm-redeploy.cluster.armed{uuid.uuid4().hex[:6]}"
+    deadline = time.monotonic() + 120
+    while not any(resource in b["body"] for b in receiver.bodies):
+        assert time.monotonic() < deadline, f"the automation never fired: {receiver.bodies}"
+        event = {
+            "id": str(uuid.uuid4()),
+            "event": "vllm.cluster.failed",
+            "occurred": datetime.now(UTC).isoformat(),
+            "resource": {"prefect.resource.id": resource},
+            "payload": {"step": "arming", "reason": "is the automation loaded yet?"},
+        }
+        httpx.post(f"{prefect_api}/events", json=[event], timeout=10).raise_for_status()
+        time.sleep(3)
+
+
 @pytest.mark.integration
 def test_readme_automation_notifies_when_a_run_fails(
     prefect_api: str, receiver: Receiver, tmp_path: Path
@@ -283,6 +305,7 @@ def test_readme_automation_notifies_when_a_run_fails(
     automation_id = re.search(r"with id\s+([0-9a-f-]{36})", created.stdout)
     assert automation_id, created.stdout
     try:
+        _until_armed(prefect_api, receiver)
         # A real run that fails: its only node never answers (nothing listens on the port).
         cluster = f"nobody{uuid.uuid4().hex[:6]}"
         config = tmp_path / "cluster.toml"
@@ -305,7 +328,7 @@ def test_readme_automation_notifies_when_a_run_fails(
         (tmp_path / "known_hosts").write_text("")
         state = redeploy_vllm_cluster(str(config), "redeploy", return_state=True)
         assert state.is_failed()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         mine: list[dict[str, Any]] = []
         while not mine:
             mine = [b for b in receiver.bodies if f"vllm-redeploy.cluster.{cluster}" in b["body"]]
