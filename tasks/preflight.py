@@ -1,8 +1,9 @@
 """Step "preflight": every node reachable (waiting for late ones), Docker up, the same image,
 the model directory and its weights, Ray in the image, each node's fabric IP and fabric (its
 interfaces, RDMA HCAs and devices; the configured interface and HCA names against them; the
-same RoCE MTU on every node). ``judge_preflight`` then picks the launch backend and
-builds the launch plan from what was found."""
+same RoCE MTU on every node), and on the head who holds the ports the group binds.
+``judge_preflight`` then picks the launch backend and builds the launch plan from what was found,
+refusing a port holder that stop-autostart would leave running."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from prefect.cache_policies import INPUTS, RUN_ID
 
 from tasks.context import RETRY_TRANSIENT, Run, StepFailed, log
 from tasks.image_facts import image_facts
+from tasks.ports_free import held_ports
 from tasks.stop_autostart import root_commands
 from vllm_redeploy.fabric_checks import Port, configured_name_problems, mtu_mismatches, roce_ports
 from vllm_redeploy.launch import (
@@ -29,6 +31,7 @@ from vllm_redeploy.launch import (
     plan_for,
     refusal,
 )
+from vllm_redeploy.listeners import Kept
 from vllm_redeploy.nodes import (
     AuthenticationFailed,
     CommandTimedOut,
@@ -64,6 +67,7 @@ class NodeFacts:
     root_problem: str | None = None  # why the login cannot run what needs root there
     gpu_problem: str | None = None  # why nvidia-smi's answer cannot be judged
     gpu_warnings: tuple[str, ...] = ()  # what nvidia-smi warned of, with a full answer
+    held: tuple[Kept, ...] = ()  # listeners the stop would leave on the head's ports (head only)
 
     @property
     def notes(self) -> list[str]:
@@ -126,6 +130,7 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
     ip = run.node_config(name).ip
     background = ThreadPoolExecutor(max_workers=3, thread_name_prefix="preflight")
     root = background.submit(root_problem, run, name)
+    held = background.submit(held_ports, run) if name == config.head.name else None
     asked = background.submit(
         access.runner.run_all,
         [
@@ -179,6 +184,7 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
         root.result(),
         gpu_problem,
         () if gpu_problem else tuple(nvidia_smi.warnings(gpus.stdout)),
+        held.result() if held else (),
     )
 
 
@@ -272,6 +278,21 @@ def preflight_problems(
     return problems
 
 
+def held_words(run: Run, plan: LaunchPlan, facts: list[NodeFacts]) -> str | None:
+    """Why the group could not bind the plan's ports even once the old stack is stopped."""
+    labels = dict(plan.ports)
+    held = [k for f in facts for k in f.held if k.listener.port in labels]
+    if not held:
+        return None
+    listed = "; ".join(k.words(labels[k.listener.port]) for k in held)
+    return (
+        f"{run.config.head.name}: {listed}. stop-autostart would leave it running, so the group "
+        "could not bind the port and nothing was stopped. Stop it, add its unit to [autostart] "
+        "units or its container to [autostart] containers, or change the port in the "
+        "configuration"
+    )
+
+
 def _roce_ports(run: Run, facts: NodeFacts) -> tuple[Port, ...]:
     if facts.fabric is None:
         return ()
@@ -296,6 +317,8 @@ def judge_preflight(run: Run, facts: list[NodeFacts]) -> LaunchPlan:
     backend, why = choose(config, ray_path)
     entrypoint = next(f.entrypoint for f in facts if f.node == config.head.name)
     plan = plan_for(backend, config, fabric, why, entrypoint)
+    if held := held_words(run, plan, facts):
+        raise StepFailed(STEP, held)
     log().info("launch backend: %s", plan.reason)
     if entrypoint is not None:
         log().info("entrypoint: %s", entrypoint.why())

@@ -231,6 +231,9 @@ class StepClock:
     def at(self, step: str, state: str) -> float:
         return next(t for t, e in self.events if e.step == step and e.state == state)
 
+    def reached(self, step: str) -> bool:
+        return any(e.step == step for _, e in self.events)
+
     def failed(self) -> tuple[float, StepEvent]:
         return next((t, e) for t, e in self.events if e.state == "failed")
 
@@ -586,7 +589,9 @@ def test_an_nvidia_smi_line_that_is_not_a_row_is_refused_before_anything_stops(
 @pytest.mark.parametrize("which", ["api", "ray", "api-on-loopback"])
 def test_stray_listener_on_a_port(fault_bed: TestBed, row: Row, which: str) -> None:
     """On the head's address; and, for an API bound to every address (vLLM's 0.0.0.0), an old
-    server on 127.0.0.1, which that bind would collide with."""
+    server on 127.0.0.1, which that bind would collide with. The listener is this test's own
+    process, outside every container and unit: preflight sees that stop-autostart would leave it
+    and refuses before anything stops."""
     backend: dict[str, Any] = RAY if which == "ray" else {}
     if which == "api-on-loopback":
         backend = {"host": "0.0.0.0"}  # the product's default
@@ -603,12 +608,57 @@ def test_stray_listener_on_a_port(fault_bed: TestBed, row: Row, which: str) -> N
         stray.listen()
         outcome = run_flow(fault_bed, deadlines={"gpu_release_s": 3}, vllm=backend)
     message = outcome.message
-    assert message.startswith("ports-free: ")
-    assert f"{HEAD}: the {label} {port} is in use by a process that is not ours" in message
-    assert f"PID {os.getpid()}" in message  # the owner, as `ss -p` shows it
-    took = outcome.detected_after(outcome.clock.at("ports-free", "running"))
+    assert message.startswith(f"preflight: {HEAD}: {address}:{port} (the {label}) is held by "), (
+        message
+    )
+    assert f"(PID {os.getpid()})" in message  # the owner, as `ss -p` shows it
+    assert "neither a container nor a unit that [autostart] names" in message
+    assert "stop-autostart would leave it running" in message
+    assert "nothing was stopped" in message
+    assert not outcome.clock.reached("stop-autostart")  # nothing stopped
+    took = outcome.ended - outcome.started
     row.outcome = f"Failed: {first_line(message)}"
-    row.detect = f"{took:.1f} s after ports-free began (grace 3 s, after the old stack stopped)"
+    row.detect = f"{took:.1f} s after the start, before any change"
+
+
+@pytest.mark.parametrize("units", ["a-unit-may-own-it", "no-unit"])
+def test_a_container_not_named_holds_the_api_port(fault_bed: TestBed, row: Row, units: str) -> None:
+    """A container that [autostart] does not name holds the API port. While a unit is stopped
+    it may be that unit's `docker run`: preflight lets it pass and ports-free, after the stop,
+    finds it still there. With no unit, nothing the run stops can free it: refused before."""
+    head = fault_bed.node(HEAD)
+    port = bed_config(fault_bed).vllm.port
+    row.fault = f"a container not named in [autostart] on {HEAD}'s API port ({units})"
+    remove_ours(fault_bed)
+    head.systemctl("stop", image.OLD_STACK_UNIT)
+    autostart = {"units": [image.OLD_STACK_UNIT] if units == "a-unit-may-own-it" else []}
+    with contextlib.closing(head.engine.client()) as client:
+        stranger = client.containers.run(
+            image.OLD_STACK_IMAGE,
+            ["busybox", "httpd", "-f", "-p", f"{head.ip}:{port}"],
+            name="stranger-api",
+            detach=True,
+            network_mode="host",
+        )
+        try:
+            head.wait_for_containers(["stranger-api"])
+            outcome = run_flow(fault_bed, deadlines={"gpu_release_s": 3}, autostart=autostart)
+        finally:
+            stranger.remove(force=True)
+    message = outcome.message
+    if units == "no-unit":
+        assert message.startswith(f"preflight: {HEAD}: {head.ip}:{port} (the API port) is held"), (
+            message
+        )
+        assert "in container stranger-api, which [autostart] containers does not name" in message
+        assert not outcome.clock.reached("stop-autostart")
+        row.detect = f"{outcome.ended - outcome.started:.1f} s after the start, before any change"
+    else:
+        assert message.startswith("ports-free: "), message
+        assert f"{HEAD}: the API port {port} is in use by a process that is not ours" in message
+        took = outcome.detected_after(outcome.clock.at("ports-free", "running"))
+        row.detect = f"{took:.1f} s after ports-free began (grace 3 s, after the old stack stopped)"
+    row.outcome = f"Failed: {first_line(message)}"
 
 
 @pytest.mark.parametrize("ip", ["not-assigned", "the-head's"])

@@ -345,6 +345,15 @@ class NodeDocker:
         labelled = [c for c in found if wanted <= set((c.labels or {}).items())]
         return [_info(c) for c in named], [_info(c) for c in labelled]
 
+    def publishing(self, port: int) -> list[str]:
+        """The running containers that publish ``port`` on the host (`docker ps --filter
+        publish=PORT`): whose is a port that docker-proxy holds."""
+        found = self._call(
+            f"list containers publishing {port}",
+            lambda: self._client.containers.list(filters={"publish": str(port)}, sparse=True),
+        )
+        return [c.attrs.get("Names", [c.id])[0].lstrip("/") for c in found]
+
     def get(self, name: str) -> ContainerInfo | None:
         def lookup() -> ContainerInfo | None:
             try:
