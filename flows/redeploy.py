@@ -313,6 +313,12 @@ def _sync(run: Run, step: Steps, facts: list[NodeFacts]) -> list[NodeFacts]:
 
     summary.synced = step.change("sync", copy_all)
     summary.notes += [
+        f"{need.target}: held revision {need.revisions[0] or 'none'} of the model, now the "
+        f"source's {need.revisions[1]} (only the blobs it lacked were copied)"
+        for need in plan.needs
+        if need.revisions
+    ]
+    summary.notes += [
         f"{need.target}: its earlier build of {config.vllm.image} ({need.old_image_id[:19]}) "
         "stays on the node, untagged (`docker image rm` it when no longer needed)"
         for need in plan.needs

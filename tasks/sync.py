@@ -77,12 +77,13 @@ def sync_node(run: Run, name: str, need: SyncNeed, image_id: str | None) -> list
     progress.set(100.0, f"{name}: done")
     for done in copied:
         log().info(
-            "%s: %s, %s in %.1f s (%s), %s",
+            "%s: %s, %s in %.1f s (%s), %s already there, %s",
             name,
             done.what,
             human_bytes(done.bytes),
             done.seconds,
             done.rate,
+            human_bytes(done.already),
             done.route,
         )
     return copied

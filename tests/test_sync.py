@@ -5,6 +5,7 @@ Docker engine and its own disk for the model (a directory of the node mounted in
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import os
 import shutil
@@ -388,7 +389,7 @@ def own_hf_cache(bed: TestBed, name: str) -> tuple[Path, dict[str, Path], Path]:
     return hub, own, snapshot
 
 
-def test_a_model_in_the_hf_cache_reaches_a_node_as_files_and_serves_by_repo_id(
+def test_a_model_in_the_hf_cache_reaches_a_node_as_hf_download_leaves_it_and_serves_by_repo_id(
     sync_bed: TestBed,
 ) -> None:
     bed = sync_bed
@@ -402,13 +403,89 @@ def test_a_model_in_the_hf_cache_reaches_a_node_as_files_and_serves_by_repo_id(
     assert state.result()["probe"]["healthy"]  # both ranks found config.json in the cache
     theirs = own["node-2"] / snapshot.relative_to(own["node-1"])
     assert same_files(snapshot, theirs)
-    assert not any(p.is_symlink() for p in theirs.iterdir())  # contents, not links into blobs
+    # As `hf download` leaves it: the snapshot's files are the same links into blobs/.
+    assert {p.name: os.readlink(p) for p in theirs.iterdir()} == {
+        p.name: os.readlink(p) for p in snapshot.iterdir()
+    }
     repo = hf_cache.repo_dir(own["node-2"], REPO)
     assert (repo / "refs" / "main").read_text() == snapshot.name
     # Named by its snapshot instead, the same model is already everywhere.
     pinned = config_for(bed, "hf-pinned", hub / snapshot.relative_to(own["node-1"]))
     quick = cli("sync", "--model", "-c", str(pinned))
     assert quick.returncode == 0 and "nothing to copy" in quick.stdout, quick.stdout
+
+
+def disk_use(top: Path) -> int:
+    """Bytes the files under ``top`` hold, each once (as `du` counts: links take none)."""
+    return sum(p.stat().st_size for p in top.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def test_two_downloads_at_different_times_copy_only_the_blob_that_differs(
+    sync_bed: TestBed,
+) -> None:
+    """Each node ran `hf download` on its own: the same three weight blobs (node-2's older), and
+    node-2 one revision behind, with another config.json (issue 51)."""
+    bed = sync_bed
+    hub = bed.root / "disk-two" / "hub"
+    own = {n.name: n.own_dir(hub.parent) / "hub" for n in bed.nodes}
+    weights = {f"model-0000{i}-of-00003.safetensors": os.urandom(SHARD) for i in (1, 2, 3)}
+    new = {"config.json": b'{"architectures": ["Qwen3_5MoeForCausalLM"]}\n', **weights}
+    ahead = hf_cache.write_snapshot(own["node-1"], REPO, new)
+    behind = hf_cache.write_snapshot(own["node-2"], REPO, {"config.json": b"{}\n", **weights})
+    for blob in (behind.parent.parent / "blobs").iterdir():
+        os.utime(blob, (1_000_000_000, 1_000_000_000))
+    as_login(own["node-1"], own["node-2"])
+    before = disk_use(own["node-2"])
+    path = bed.write_config(
+        bed.root / "two.toml",
+        vllm={"model": REPO, "hf_cache": str(hub), "env": {"VRD_LOAD_SECONDS": "1"}},
+    )
+    first: State = redeploy_vllm_cluster(str(path), return_state=True)
+    assert first.is_completed(), first.message
+    result = first.result()
+    keep_for_notes("sync-two-downloads", result["summary"])
+    # Only the changed config.json's blob and refs/main travelled (a tar stream of a few KB);
+    # the weights were found by their names in blobs/.
+    row = next(x for x in result["summary"].splitlines() if x.startswith("| node-2 | model"))
+    copied, already = [cell.strip() for cell in row.split("|")][3:5]
+    assert copied.endswith((" B", " KB")) and already == "25.2 MB", row
+    theirs = own["node-2"] / ahead.relative_to(own["node-1"])
+    assert same_files(ahead, theirs)
+    assert {p.name: os.readlink(p) for p in theirs.iterdir()} == {
+        p.name: os.readlink(p) for p in ahead.iterdir()
+    }
+    assert (hf_cache.repo_dir(own["node-2"], REPO) / "refs" / "main").read_text() == ahead.name
+    after = disk_use(own["node-2"])
+    assert after - before == len(new["config.json"])  # its blob; refs/main names another
+    assert (
+        f"node-2: held revision {behind.name} of the model, now the source's {ahead.name}"
+        in result["summary"]
+    )
+    assert result["probe"]["healthy"]
+    again: State = redeploy_vllm_cluster(str(path), return_state=True)
+    assert again.is_completed() and "sync" not in again.result()["steps"]
+    # The operator drops node-2's old revision: its config.json's blob is linked by nothing.
+    shutil.rmtree(behind)
+    old_blob = hashlib.sha256(b"{}\n").hexdigest()
+    listed = cli("sync", "--model", "-c", str(path))
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    assert (
+        f"node-2: 1 blob(s) in {hf_cache.repo_dir(hub, REPO)}/blobs that no snapshot links to, "
+        f"3 B ({old_blob[:12]}): `vllm-redeploy sync --prune` removes them"
+    ) in " ".join(listed.stdout.split()), listed.stdout
+    blobs = hf_cache.repo_dir(own["node-2"], REPO) / "blobs"
+    assert (blobs / old_blob).exists()  # listed, not removed
+    pruned = cli("sync", "--model", "--prune", "-c", str(path))
+    assert pruned.returncode == 0 and "removed, 3 B freed" in pruned.stdout, pruned.stdout
+    assert sorted(b.name for b in blobs.iterdir()) == sorted(
+        hashlib.sha256(data).hexdigest() for data in new.values()
+    )
+    assert same_files(ahead, theirs)  # every link still resolves
+    keep_for_notes(
+        "sync-two-downloads-disk",
+        f"node-2 before: {before} B, after: {after} B; first run's sync: "
+        f"{result['steps'].get('sync', 0):.1f} s",
+    )
 
 
 def test_a_link_out_of_the_model_is_never_copied_and_is_named(sync_bed: TestBed) -> None:

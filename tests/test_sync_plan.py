@@ -3,11 +3,16 @@ runs here, in this machine's sh and find)."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from tests.testbed import hf_cache
 from tests.testbed.bed import to_toml
 from vllm_redeploy.config import ClusterConfig, ConfigError, load_config
 from vllm_redeploy.model_source import model_source
@@ -20,6 +25,7 @@ from vllm_redeploy.sync import (
     parse_manifest,
     plan_sync,
 )
+from vllm_redeploy.sync.verify import digests
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "cluster.example.toml"
 ID_A = "sha256:" + "a" * 64
@@ -180,3 +186,91 @@ def test_every_byte_a_name_may_hold_is_listed_and_nothing_outside_is_taken(
         "../../etc/shadow is listed, outside the model's directory",
         "/etc/passwd is listed, outside the model's directory",
     ]
+
+
+REPO = "Qwen/Qwen3.5-122B-A10B-FP8"
+
+
+def hf_listing(hub: Path) -> Manifest:
+    """The real listing of the repo in ``hub`` (the cached form: refs/main names the revision)."""
+    done = LocalRunner("here").run(manifest_argv(model_source(REPO, str(hub))), check=False)
+    return parse_manifest(done.stdout, done.exit_code or 0)
+
+
+def test_two_downloads_of_one_model_share_their_blobs_and_only_what_differs_is_sent(
+    tmp_path: Path,
+) -> None:
+    """Each node ran `hf download` on its own: the same weights (same blobs, other times), and
+    node-2 one revision behind with another config.json. Only that blob is sent; the snapshot
+    gets links into the blobs; refs/main follows the source (issue 51)."""
+    cluster = config(tmp_path)
+    worker = cluster.workers[0].name
+    weights = {f"model-0000{i}-of-00002.safetensors": os.urandom(4096) for i in (1, 2)}
+    new = {"config.json": b'{"v": 2}\n', **weights}
+    ahead = hf_cache.write_snapshot(tmp_path / "node-1", REPO, new)
+    behind = hf_cache.write_snapshot(tmp_path / "node-2", REPO, {"config.json": b"{}\n", **weights})
+    for blob in (behind.parent.parent / "blobs").iterdir():
+        os.utime(blob, (1_000_000_000, 1_000_000_000))  # downloaded long before
+    source, target = hf_listing(tmp_path / "node-1"), hf_listing(tmp_path / "node-2")
+    assert (source.revision, target.revision) == (ahead.name, behind.name)
+    held = [
+        Holdings(cluster.sync_source.name, ID_A, source),
+        Holdings(worker, ID_A, target),
+    ]
+    (need,) = plan_sync(cluster, held).needs
+    config_blob = hashlib.sha256(new["config.json"]).hexdigest()
+    assert sorted(f.path for f in need.files) == [f"blobs/{config_blob}", "refs/main"]
+    assert need.already == 2 * 4096  # the weights: same names in blobs/, same bytes
+    assert dict(need.links) == {
+        f"snapshots/{ahead.name}/{name}": f"../../blobs/{hashlib.sha256(data).hexdigest()}"
+        for name, data in new.items()
+    }
+    assert need.reasons == {
+        "blob missing": 1,
+        "linked to a blob already there": 2,
+        "another revision": 1,
+    }
+    assert need.revisions == (behind.name, ahead.name)
+    assert "revision " + ahead.name[:12] in need.describe(cluster.vllm.image)
+    # Once node-2 holds the source's revision as `hf download` leaves it: nothing to send.
+    hf_cache.write_snapshot(tmp_path / "node-2", REPO, new)
+    again = [held[0], Holdings(worker, ID_A, hf_listing(tmp_path / "node-2"))]
+    assert plan_sync(cluster, again).needs == ()
+    assert again[1].model.unlinked() == {}  # the old revision still links its config.json
+    shutil.rmtree(behind)
+    assert hf_listing(tmp_path / "node-2").unlinked() == {hashlib.sha256(b"{}\n").hexdigest(): 3}
+
+
+def test_a_snapshot_of_plain_files_gets_links_and_no_byte(tmp_path: Path) -> None:
+    """An earlier copy left the target's snapshot as plain files beside the same blobs (the
+    model held twice): links replace them, and nothing is sent."""
+    cluster = config(tmp_path)
+    files = {"config.json": b"{}\n", "model.safetensors": os.urandom(4096)}
+    snapshot = hf_cache.write_snapshot(tmp_path / "node-1", REPO, files)
+    twice = hf_cache.write_snapshot(tmp_path / "node-2", REPO, files)
+    for name, data in files.items():
+        (twice / name).unlink()
+        (twice / name).write_bytes(data)
+    held = [
+        Holdings(cluster.sync_source.name, ID_A, hf_listing(tmp_path / "node-1")),
+        Holdings(cluster.workers[0].name, ID_A, hf_listing(tmp_path / "node-2")),
+    ]
+    (need,) = plan_sync(cluster, held).needs
+    assert need.files == () and need.already == 4096 + 3
+    assert sorted(path for path, _ in need.links) == [
+        f"snapshots/{snapshot.name}/{n}" for n in sorted(files)
+    ]
+
+
+def test_digests_come_back_for_every_name_and_none_for_a_file_that_is_gone(tmp_path: Path) -> None:
+    """--verify's hashing through the real sh, xargs and sha256sum: names with a newline, a
+    carriage return or a backslash (which sha256sum would escape in its lines) get their file's
+    digest; a missing file gets none, so it is never taken as equal."""
+    names = ["a\nb.json", "c\\d.json", "e\rf.json", "plain.json"]
+    for i, name in enumerate(names):
+        (tmp_path / name).write_bytes(bytes([i]) * 10)
+    node = SimpleNamespace(runner=LocalRunner("here"))
+    found = digests(node, str(tmp_path), [*names, "gone.json"])  # type: ignore[arg-type]
+    assert found == {
+        name: hashlib.sha256(bytes([i]) * 10).hexdigest() for i, name in enumerate(names)
+    }

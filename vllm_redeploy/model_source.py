@@ -74,8 +74,11 @@ class ModelSource:
         ``T<tab>tree``, its canonical path; per link ``L<tab>path`` then ``target``
         (``readlink -e``: empty when it dangles); then, unless a link dangles or leaves the
         tree (exit 4: nothing is followed out of it), per file of the model, links followed,
-        ``F<tab>size<tab>mtime<tab>path``. Exit 3: the tree, or its revision, is not there.
-        Paths are relative to the tree; files a cut copy left under ``stage`` are listed too."""
+        ``F<tab>size<tab>mtime<tab>path``. In the Hugging Face layout, first each file of
+        ``blobs/`` as ``B<tab>size<tab>name`` and the target of every snapshot's link (of
+        every revision) as ``U<tab>target``, then ``R<tab>revision``: the snapshot listed.
+        Exit 3: the tree, or its revision, is not there. Paths are relative to the tree;
+        files a cut copy left under ``stage`` are listed too."""
         if self.cached:
             parts = (
                 "rev=$(cat -- refs/main 2>/dev/null)\n"
@@ -86,6 +89,16 @@ class ModelSource:
             parts = f'need={shlex.quote("snapshots/" + self.revision)}; set -- "$need"\n'
         else:
             parts = "need=.; set -- .\n"
+        if self.hf_layout:
+            # The blob store, even where the revision is not there: its contents are named by
+            # their hashes, so equal bytes are seen without reading them.
+            parts = (
+                "find blobs -mindepth 1 -maxdepth 1 -type f -printf 'B\\t%s\\t%f\\0' "
+                "2>/dev/null\n"
+                "find snapshots -type l -printf 'U\\t%l\\0' 2>/dev/null\n"
+                + parts
+                + "printf 'R\\t%s\\0' \"${need#snapshots/}\"\n"
+            )
         # A plain directory's walk from "." takes its stage in; a revision's does not.
         staged = (
             f'[ -d {shlex.quote(stage)} ] && set -- "$@" {shlex.quote(stage)}\n'

@@ -119,12 +119,13 @@ def render_markdown(summary: RunSummary) -> str:
 def _sync_section(synced: Sequence[Copied]) -> list[str]:
     if not synced:
         return []
-    lines = ["", "## Copied", "", "| node | what | size | seconds | rate | how |"]
-    lines.append("| --- | --- | --- | --- | --- | --- |")
+    lines = ["", "## Copied", "", "| node | what | copied | already there | seconds | rate | how |"]
+    lines.append("| --- | --- | --- | --- | --- | --- | --- |")
     for c in synced:
+        already = human_bytes(c.already) if c.what == "model" else ""
         lines.append(
-            f"| {c.target} | {c.what} | {human_bytes(c.bytes)} | {c.seconds:.1f} | {c.rate} "
-            f"| {_cell(c.route)} |"
+            f"| {c.target} | {c.what} | {human_bytes(c.bytes)} | {already} | {c.seconds:.1f} "
+            f"| {c.rate} | {_cell(c.route)} |"
         )
     return lines
 

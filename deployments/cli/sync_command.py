@@ -40,6 +40,8 @@ from vllm_redeploy.sync import (
     survey,
     sync_target,
 )
+from vllm_redeploy.sync.prune import prune as remove_unlinked
+from vllm_redeploy.sync.prune import unlinked_words
 from vllm_redeploy.sync.verify import differing, equal_but_retimed, set_times
 
 
@@ -59,6 +61,13 @@ def sync(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print what would be copied, change nothing.")
     ] = False,
+    prune: Annotated[
+        bool,
+        typer.Option(
+            "--prune",
+            help="Also remove the blobs of a Hugging Face cache that no snapshot links to.",
+        ),
+    ] = False,
 ) -> None:
     """Copy the source node's image and model (default: the head's) to every node that lacks
     them or holds another build or other files; files only a target holds are kept."""
@@ -66,6 +75,8 @@ def sync(
     accesses = {n.name: NodeAccess(n, cluster) for n in cluster.nodes}
     try:
         _sync(cluster, accesses, verify, dry_run)
+        if cluster.sync.model == "auto" and cluster.vllm.source.hf_layout:
+            _unlinked(cluster, accesses, prune and not dry_run)
     except RemoteError as exc:
         err.print(f"sync failed: {markup_safe(exc)}", highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_UNREACHABLE) from None
@@ -106,7 +117,9 @@ def _sync(
         _retime(cluster, accesses, equal_but_retimed(source.name, held, suspect), dry_run)
     if not plan.needs:
         out.print(f"every node holds what {plan.source} holds: nothing to copy")
-        raise typer.Exit(EXIT_UNREACHABLE if plan.problems else 0)
+        if plan.problems:
+            raise typer.Exit(EXIT_UNREACHABLE)
+        return
     image_id = next(h.image_id for h in held if h.node == plan.source)
     routes = {
         need.target: route_between(source, accesses[need.target], cluster) for need in plan.needs
@@ -122,10 +135,32 @@ def _sync(
         return
     copied = _copy_all(cluster, accesses, plan.needs, image_id, routes)
     for c in copied:
+        already = f", {human_bytes(c.already)} already there" if c.what == "model" else ""
         out.print(
-            f"{c.target}: {c.what}, {human_bytes(c.bytes)} in {c.seconds:.1f} s ({c.rate})",
+            f"{c.target}: {c.what}, {human_bytes(c.bytes)} in {c.seconds:.1f} s ({c.rate})"
+            f"{already}",
             highlight=False,
         )
+
+
+def _unlinked(cluster: ClusterConfig, accesses: dict[str, NodeAccess], prune: bool) -> None:
+    """Each node's blobs that no snapshot links to, as the nodes hold them now (after the
+    copies: a blob the copy linked again is kept); removed with ``prune``."""
+    tree = cluster.vllm.source.tree
+    surveyed = fan_out(cluster.nodes, lambda n: survey(accesses[n.name], cluster))
+    for found in surveyed:
+        if found.value is None:
+            continue
+        words = unlinked_words(found.value.node, tree, found.value.model)
+        if words is None:
+            continue
+        if prune:
+            freed = remove_unlinked(accesses[found.value.node], tree, found.value.model)
+            out.print(f"{markup_safe(words)}: removed, {human_bytes(freed)} freed", highlight=False)
+        else:
+            out.print(
+                f"{markup_safe(words)}: `vllm-redeploy sync --prune` removes them", highlight=False
+            )
 
 
 def _retime(

@@ -19,20 +19,26 @@ from vllm_redeploy.nodes import CommandTimedOut, NodeAccess, RemoteError
 from vllm_redeploy.nodes.runner import Process
 from vllm_redeploy.nodes.ssh import openssh_argv
 from vllm_redeploy.safe_text import one_line
-from vllm_redeploy.sync.manifest import STAGE, FileEntry
+from vllm_redeploy.sync.manifest import BLOBS, STAGE, FileEntry
 from vllm_redeploy.sync.plan import SyncNeed, human_bytes
 
 Progress = Callable[[int], None]  # bytes moved so far
 CHUNK = 1 << 20
 DIRECT_CHECK_S = 10.0
 # Received files go under STAGE; each is renamed into the model directory once the stream
-# ended whole. Names come on stdin, one per line (the manifest is line-based: none has a newline).
+# ended whole. Names come on stdin, each ended by a NUL (a name may hold any other byte).
 RECEIVE = 'mkdir -p -- "$2" && exec tar -C "$2" -xf -'
 PROMOTE = """cd -- "$2" || exit 1
-while IFS= read -r f; do
-  mkdir -p -- "$(dirname -- "$1/$f")" && mv -f -- "$f" "$1/$f" || exit 1
-done
-cd / && find "$2" -depth -type d -empty -delete
+xargs -0 -r sh -c 'for f; do
+  mkdir -p -- "$(dirname -- "$0/$f")" && mv -f -- "$f" "$0/$f" || exit 255
+done' "$1" || exit 1
+cd / && find "$2" -depth -type d -empty -delete 2>/dev/null
+exit 0
+"""
+# A snapshot's links into the blob store, as `hf download` makes them: (path, target) pairs on
+# stdin, NUL-ended; what is at the path (a plain copy of the file, an older link) is replaced.
+LINK = """cd -- "$1" || exit 1
+xargs -0 -r -n 2 sh -c 'mkdir -p -- "$(dirname -- "$0")" && ln -sfn -- "$1" "$0" || exit 255'
 """
 # $1: the stage; the rest: files under it to remove (never anything outside it).
 REMOVE_PARTIAL = 'cd -- "$1" || exit 0; shift; rm -f -- "$@"'
@@ -69,6 +75,7 @@ class Copied:
     bytes: int
     seconds: float
     route: str
+    already: int = 0  # the model's bytes found on the target by content: not sent
 
     @property
     def rate(self) -> str:
@@ -176,16 +183,17 @@ def copy_model(
     source: NodeAccess,
     target: NodeAccess,
     config: ClusterConfig,
-    files: tuple[FileEntry, ...],
-    staged: tuple[str, ...],
+    need: SyncNeed,
     route: Route,
     on_bytes: Progress,
 ) -> Copied:
-    """``files`` from the source's model directory into the target's, received under STAGE and
-    renamed into place once whole; ``staged`` (received whole by an earlier, cut copy) are only
-    renamed."""
+    """The files ``need`` names from the source's model directory into the target's, received
+    under STAGE and renamed into place once whole (those an earlier, cut copy received whole are
+    only renamed); then, in the Hugging Face layout, the snapshot's links into the blobs, and
+    last the rest (``refs/main`` among them: the revision is named once its files are there)."""
     model = config.vllm.source.tree
     stage = f"{model.rstrip('/')}/{STAGE}"
+    files = need.files
     names = b"".join(f.path.encode() + b"\0" for f in files)
     started = time.monotonic()
     moved = 0
@@ -212,17 +220,31 @@ def copy_model(
             target.name,
             on_bytes,
         )
-    done = "".join(f"{path}\n" for path in (*staged, *(f.path for f in files)))
-    promoted = target.runner.run(
-        ["sh", "-c", PROMOTE, "sh", model, stage], stdin=done.encode(), check=False
+    received = [*need.staged, *(f.path for f in files)]
+    blobs = [path for path in received if path.startswith(f"{BLOBS}/")]
+    _finish(target, PROMOTE, [model, stage], blobs, f"move them from {stage} into {model}")
+    pairs = [part for link in need.links for part in link]
+    _finish(target, LINK, [model], pairs, f"link the snapshot's files to the blobs in {model}")
+    rest = [path for path in received if not path.startswith(f"{BLOBS}/")]
+    _finish(target, PROMOTE, [model, stage], rest, f"move them from {stage} into {model}")
+    return Copied(target.name, "model", moved, time.monotonic() - started, route.why, need.already)
+
+
+def _finish(target: NodeAccess, script: str, args: list[str], items: list[str], what: str) -> None:
+    """Run a placing ``script`` (PROMOTE, LINK) on the target with ``items`` on its stdin."""
+    if not items:
+        return
+    done = target.runner.run(
+        ["sh", "-c", script, "sh", *args],
+        stdin=b"".join(item.encode() + b"\0" for item in items),
+        check=False,
     )
-    if not promoted.ok:
+    if not done.ok:
         raise SyncFailed(
             target.name,
-            f"{target.name} received the model's files under {stage} but could not move them "
-            f"into {model}: {one_line(promoted.stderr or promoted.stdout)}",
+            f"{target.name} received the model's files but could not {what}: "
+            f"{one_line(done.stderr or done.stdout or f'exit code {done.exit_code}')}",
         )
-    return Copied(target.name, "model", moved, time.monotonic() - started, route.why)
 
 
 def _pipeline(send: str, config: ClusterConfig, target: NodeAccess, receive: str) -> str:
@@ -401,8 +423,7 @@ def sync_target(
                 source,
                 target,
                 config,
-                need.files,
-                need.staged,
+                need,
                 route,
                 lambda moved: on_bytes(before + moved),
             )

@@ -16,6 +16,8 @@ from vllm_redeploy.safe_text import shown
 STAGE = ".vllm-redeploy-incoming"
 LINKS_REFUSED = 4  # the listing's exit when a link dangles or leaves the tree
 SNAPSHOT = re.compile(r"^snapshots/[^/]+/")
+BLOBS = "blobs"
+CONTENT_NAME = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,22 @@ class Manifest:
     links: dict[str, str] = field(default_factory=dict)
     tree: str = ""
     outside: tuple[str, ...] = ()  # listed paths that are not inside the tree: never copied
+    # The Hugging Face layout: the blob store's files (name -> size) and the revision listed.
+    blobs: dict[str, int] = field(default_factory=dict)
+    revision: str | None = None
+    linked: frozenset[str] = frozenset()  # the blobs a snapshot (of any revision) links to
+
+    def unlinked(self) -> dict[str, int]:
+        """The blobs no snapshot links to any more (name -> size): the model held twice."""
+        return {name: size for name, size in self.blobs.items() if name not in self.linked}
+
+    def blob_of(self, path: str) -> str | None:
+        """The blob whose contents the file ``path`` is (a snapshot's link into ``blobs/``),
+        when that blob is named by its hash (the hub names each by its SHA-256, or a small
+        file by its git SHA-1): equal names are equal bytes."""
+        target = self.links.get(path, "")
+        name = target.removeprefix(f"{self.tree}/{BLOBS}/")
+        return name if self.tree and name != target and CONTENT_NAME.fullmatch(name) else None
 
     @property
     def weights_bytes(self) -> int | None:
@@ -73,12 +91,27 @@ def parse_manifest(out: str, exit_code: int) -> Manifest:
     staged: dict[str, FileEntry] = {}
     links: dict[str, str] = {}
     outside: list[str] = []
+    blobs: dict[str, int] = {}
+    linked: set[str] = set()
+    revision = None
     tree = ""
     records = iter(out.split("\0"))
     for record in records:
         kind, _, rest = record.partition("\t")
         if kind == "T":
             tree = rest
+        elif kind == "R":
+            revision = rest or None
+        elif kind == "B":
+            size, _, name = rest.partition("\t")
+            if size.isdigit() and CONTENT_NAME.fullmatch(name):
+                blobs[name] = int(size)
+        elif kind == "U":
+            # Any link whose target is a name in a blobs/ directory keeps that blob: a blob is
+            # counted as unlinked only when nothing could name it.
+            directory, _, name = rest.rpartition("/")
+            if directory.rpartition("/")[2] == BLOBS:
+                linked.add(name)
         elif kind == "L":
             target = next(records, "")
             if _inside(path := rest.removeprefix("./")):
@@ -99,7 +132,9 @@ def parse_manifest(out: str, exit_code: int) -> Manifest:
             else:
                 files[path] = FileEntry(path, int(size), int(float(mtime)))
     present = exit_code in (0, LINKS_REFUSED) or bool(files)
-    return Manifest(present, files, staged, links, tree, tuple(outside))
+    return Manifest(
+        present, files, staged, links, tree, tuple(outside), blobs, revision, frozenset(linked)
+    )
 
 
 def _inside(path: str) -> bool:

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import dataclass, field
 
 from vllm_redeploy.config import ClusterConfig
+from vllm_redeploy.model_source import REF
 from vllm_redeploy.nodes import NodeAccess
-from vllm_redeploy.sync.manifest import FileEntry, Manifest, manifest_argv, parse_manifest
+from vllm_redeploy.sync.manifest import (
+    BLOBS,
+    FileEntry,
+    Manifest,
+    manifest_argv,
+    parse_manifest,
+)
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,12 @@ class SyncNeed:
     # What else a cut copy left under STAGE (a file it was receiving, or one the model no longer
     # has): removed before the copy, so it neither lingers nor takes the room the copy needs.
     partial: tuple[FileEntry, ...] = ()
+    # The Hugging Face layout: the snapshot's links to make (path, relative target in blobs/),
+    # the bytes of the blobs they name that the target holds already, and its revision when it
+    # is not the source's.
+    links: tuple[tuple[str, str], ...] = ()
+    already: int = 0
+    revisions: tuple[str | None, str] | None = None  # (the target's, the source's) when unlike
 
     @property
     def model_bytes(self) -> int:
@@ -38,7 +52,7 @@ class SyncNeed:
 
     @property
     def model(self) -> bool:
-        return bool(self.files or self.staged or self.partial)
+        return bool(self.files or self.staged or self.partial or self.links)
 
     def describe(self, image: str) -> str:
         parts = []
@@ -50,9 +64,19 @@ class SyncNeed:
             if self.partial:
                 cut = human_bytes(sum(f.size for f in self.partial))
                 staged += f", {len(self.partial)} partial ({cut}) removed first"
+            if self.already:
+                staged += f", {human_bytes(self.already)} already there by content"
+            if self.links:
+                staged += f", {len(self.links)} link(s) into its blobs"
             parts.append(
                 f"model: {len(self.files)} file(s), {human_bytes(self.model_bytes)} ({why}{staged})"
             )
+            if self.revisions:
+                held, wanted = self.revisions
+                parts.append(
+                    f"revision {wanted[:12]} (the source's), where it has "
+                    f"{held[:12] if held else 'none'}"
+                )
         return f"{self.target}: " + "; ".join(parts)
 
 
@@ -98,23 +122,84 @@ def plan_sync(
                 image = "missing"
             else:
                 image, old = f"another build: {target.image_id[:19]}", target.image_id
-        files, staged, reasons = [], [], {}
+        model = _ModelNeed(source.model, target.model)
         if model_on and source.model.files:
             suspect = None if differing is None else differing.get(target.node, set())
             for entry in sorted(source.model.files.values(), key=lambda f: f.path):
-                why = _differs(entry, target.model, suspect)
-                if not why:
-                    continue
-                if entry.same_as(target.model.staged.get(entry.path)):
-                    staged.append(entry.path)
-                    continue
-                files.append(entry)
-                reasons[why] = reasons.get(why, 0) + 1
-        partial = tuple(e for p, e in sorted(target.model.staged.items()) if p not in staged)
-        need = SyncNeed(target.node, image, old, tuple(files), tuple(staged), reasons, partial)
+                model.add(entry, suspect)
+        need = SyncNeed(
+            target.node,
+            image,
+            old,
+            tuple(model.files),
+            tuple(model.staged),
+            model.reasons,
+            model.partial(),
+            tuple(model.links),
+            model.already,
+            model.revisions(),
+        )
         if need.image or need.model:
             needs.append(need)
     return SyncPlan(source_name, tuple(needs), tuple(problems))
+
+
+class _ModelNeed:
+    """What one target lacks of the source's model files, taken file by file."""
+
+    def __init__(self, source: Manifest, target: Manifest) -> None:
+        self.source, self.target = source, target
+        self.files: list[FileEntry] = []
+        self.staged: list[str] = []
+        self.reasons: dict[str, int] = {}
+        self.links: list[tuple[str, str]] = []
+        self.already = 0
+        self.blobs: set[str] = set()  # the blobs planned or found: each is sent once
+        self.revised = source.revision is not None and source.revision != target.revision
+
+    def add(self, entry: FileEntry, suspect: set[str] | None) -> None:
+        if (blob := self.source.blob_of(entry.path)) is not None:
+            self._add_link(entry, blob)
+        elif entry.path == REF and self.source.revision is not None:
+            if self.revised:  # a file of one line: its time says nothing of its content
+                self._send(entry, "another revision")
+        elif why := _differs(entry, self.target, suspect):
+            self._send(entry, why)
+
+    def _add_link(self, entry: FileEntry, blob: str) -> None:
+        """A snapshot's file is a link into the blob store: the blob is sent only where the
+        target lacks it (same name, same bytes), and the link is made where it is not there."""
+        held = self.target.blobs.get(blob) == entry.size
+        if held and self.target.blob_of(entry.path) == blob:
+            return
+        directory = entry.path.rpartition("/")[0]
+        self.links.append((entry.path, posixpath.relpath(f"{BLOBS}/{blob}", directory)))
+        if blob in self.blobs:
+            return
+        self.blobs.add(blob)
+        if held:
+            self.already += entry.size
+            self._count("linked to a blob already there")
+        else:
+            self._send(FileEntry(f"{BLOBS}/{blob}", entry.size, entry.mtime), "blob missing")
+
+    def _send(self, entry: FileEntry, why: str) -> None:
+        if entry.same_as(self.target.staged.get(entry.path)):
+            self.staged.append(entry.path)
+            return
+        self.files.append(entry)
+        self._count(why)
+
+    def _count(self, why: str) -> None:
+        self.reasons[why] = self.reasons.get(why, 0) + 1
+
+    def revisions(self) -> tuple[str | None, str] | None:
+        if not self.revised or self.source.revision is None:
+            return None
+        return (self.target.revision, self.source.revision)
+
+    def partial(self) -> tuple[FileEntry, ...]:
+        return tuple(e for p, e in sorted(self.target.staged.items()) if p not in self.staged)
 
 
 def _differs(entry: FileEntry, model: Manifest, suspect: set[str] | None) -> str:

@@ -9,7 +9,12 @@ from vllm_redeploy.nodes import NodeAccess
 from vllm_redeploy.sync.manifest import FileEntry
 from vllm_redeploy.sync.plan import Holdings
 
-HASH = 'cd -- "$1" && xargs -0 sha256sum --'
+# One digest per path on stdin (NUL-ended), in order, each NUL-ended (empty for a file that
+# cannot be read): the paths never come back, so no byte of a name is parsed from the output.
+HASH = (
+    'cd -- "$1" && xargs -0 -r -n 1 sh -c '
+    '\'d=$(sha256sum < "$0") && printf "%s\\0" "${d%% *}" || printf "\\0"\''
+)
 # Each NUL-ended (path, seconds) pair on stdin: the file's modification time set (links followed,
 # as the listing follows them: a snapshot's link stands for its blob).
 RETIME = (
@@ -26,12 +31,10 @@ def digests(access: NodeAccess, model: str, paths: list[str]) -> dict[str, str]:
     found = access.runner.run(
         ["sh", "-c", HASH, "sh", model], stdin=names, timeout=HASH_TIMEOUT_S, check=False
     )
-    sums = {}
-    for line in found.stdout.splitlines():
-        digest, _, path = line.partition("  ")
-        if path:
-            sums[path] = digest
-    return sums
+    sums = found.stdout.split("\0")[: len(paths)]
+    if len(sums) < len(paths):  # cut short: what has no digest counts as differing
+        return {}
+    return {path: digest for path, digest in zip(paths, sums, strict=True) if digest}
 
 
 def differing(
@@ -48,10 +51,12 @@ def differing(
     }
     wanted = sorted({p for paths in alike.values() for p in paths})
     reference = digests(source, model, wanted)
-    return {
-        name: {p for p, d in digests(access, model, alike[name]).items() if d != reference.get(p)}
-        for name, access in targets.items()
-    }
+    found = {}
+    for name, access in targets.items():
+        theirs = digests(access, model, alike[name])
+        # A file without a digest on either side (unreadable, gone) is never taken as equal.
+        found[name] = {p for p in alike[name] if not theirs.get(p) or theirs[p] != reference.get(p)}
+    return found
 
 
 def _same_size(entry: FileEntry, held: FileEntry | None) -> bool:
