@@ -138,6 +138,10 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_a_run_gives_a_node_the_image_and_model_it_lacks_then_serves(sync_bed: TestBed) -> None:
     bed = sync_bed
     model, own = own_model(bed, "run")
+    # Names a line-based listing or promote would cut (issue 51): each is copied as it is.
+    for odd in ("chat\rtemplate.jinja", "line\nbreak.json", "back\\slash.json"):
+        (own["node-1"] / odd).write_text("{}\n")
+    as_login(own["node-1"])
     untag(bed, "node-2", bed.vllm_image)
     assert image_id(bed, "node-2", bed.vllm_image) is None
     state: State = redeploy_vllm_cluster(str(config_for(bed, "run", model)), return_state=True)
