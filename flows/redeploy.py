@@ -49,7 +49,13 @@ from tasks.inspect_deployment import inspect_deployment
 from tasks.launch import launch_phase
 from tasks.memory import make_memory_free
 from tasks.ports_free import wait_ports_free
-from tasks.preflight import NodeFacts, judge_preflight, preflight_node, preflight_problems
+from tasks.preflight import (
+    NodeFacts,
+    judge_preflight,
+    preflight_node,
+    preflight_problems,
+    revision_notes,
+)
 from tasks.probe import probe_model
 from tasks.records import FLUSH_S
 from tasks.standing.lock import Hold, cluster_lock
@@ -267,7 +273,7 @@ def _runbook(run: Run, mode: Mode, step: Steps) -> None:
     summary.image_id = next((f.image_id for f in facts if f.image_id), None)
     plan = judge_preflight(run, facts)
     summary.backend = plan.reason
-    summary.notes += [note for f in facts for note in f.notes]
+    summary.notes += [note for f in facts for note in f.notes] + revision_notes(facts)
     if len(nodes) > 1:
         port = pick_port()
         reports = step("fabric-reach", per_node, reach_from, run, nodes, port)

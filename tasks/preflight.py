@@ -293,6 +293,19 @@ def held_words(run: Run, plan: LaunchPlan, facts: list[NodeFacts]) -> str | None
     )
 
 
+def revision_notes(facts: list[NodeFacts]) -> list[str]:
+    """The nodes hold unlike revisions of a Hugging Face model (each serves its own, as after
+    `hf download` on each node at another time, with [sync] model off)."""
+    held = {f.node: f.model.revision for f in facts if f.model is not None and f.model.revision}
+    if len(set(held.values())) < 2:
+        return []
+    listing = ", ".join(f"{node} {revision[:12]}" for node, revision in held.items())
+    return [
+        f"the nodes hold different revisions of the model ({listing}); each serves its own: "
+        'set [sync] model = "auto" to give every node the source\'s, or download one revision'
+    ]
+
+
 def _roce_ports(run: Run, facts: NodeFacts) -> tuple[Port, ...]:
     if facts.fabric is None:
         return ()

@@ -274,3 +274,20 @@ def test_digests_come_back_for_every_name_and_none_for_a_file_that_is_gone(tmp_p
     assert found == {
         name: hashlib.sha256(bytes([i]) * 10).hexdigest() for i, name in enumerate(names)
     }
+
+
+def test_unlike_revisions_are_noted_when_nothing_aligns_them(tmp_path: Path) -> None:
+    from tasks.preflight import NodeFacts, revision_notes
+
+    ahead = hf_cache.write_snapshot(tmp_path / "node-1", REPO, {"config.json": b"{}\n"})
+    behind = hf_cache.write_snapshot(tmp_path / "node-2", REPO, {"config.json": b"[]\n"})
+
+    def facts(node: str) -> NodeFacts:
+        return NodeFacts(node, "29.0", ID_A, True, None, 0.0, model=hf_listing(tmp_path / node))
+
+    assert revision_notes([facts("node-1"), facts("node-1")]) == []
+    assert revision_notes([facts("node-1"), facts("node-2")]) == [
+        f"the nodes hold different revisions of the model (node-1 {ahead.name[:12]}, node-2 "
+        f'{behind.name[:12]}); each serves its own: set [sync] model = "auto" to give every '
+        "node the source's, or download one revision"
+    ]
