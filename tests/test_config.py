@@ -64,6 +64,12 @@ def test_check_config_accepts_the_example() -> None:
     assert "spark-a" in output and "192.168.200.13" in output and "configuration OK" in output
 
 
+def test_a_port_only_the_other_backend_binds_may_be_shared(tmp_path: Path) -> None:
+    mp = MINIMAL.replace("tensor_parallel_size = 2", 'tensor_parallel_size = 2\nbackend = "mp"')
+    code, output = check_config(write(tmp_path, mp + "[ray]\nport = 30000\n"))
+    assert code == 0, output
+
+
 def test_defaults_fill_in(tmp_path: Path) -> None:
     config = load_config(write(tmp_path, MINIMAL), env_file=None)
     assert config.vllm.served_name == "/models/m"  # vLLM's own default: the --model argument
@@ -160,6 +166,18 @@ BAD = [
             'name = "a"', 'name = "a"\nfabric_interfaces = ["enp1s0f1np1", "enP2p1s0f1np1"]'
         ),
         ["different numbers of fabric_interfaces (a 2, b 1;", "GLOO_SOCKET_IFNAME"],
+    ),
+    (
+        "api port on ray's",
+        MINIMAL.replace("tensor_parallel_size = 2", "tensor_parallel_size = 2\nport = 6379"),
+        ["vllm.port and ray.port are both 6379: each needs its own port on the head"],
+    ),
+    (
+        "rendezvous port on the api's",
+        MINIMAL.replace(
+            "tensor_parallel_size = 2", "tensor_parallel_size = 2\nmaster_port = 30000"
+        ),
+        ["vllm.port and vllm.master_port are both 30000"],
     ),
     ("bad toml", "[[nodes]\n", ["not valid TOML"]),
     (

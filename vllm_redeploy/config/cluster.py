@@ -113,6 +113,7 @@ class ClusterConfig(BaseSettings):
             problems.append(
                 f"only the controller's own node can be local; local on {', '.join(locals_)}"
             )
+        problems += self._port_collisions()
         if self.sync.source is not None and self.sync.source not in names:
             problems.append(
                 f"sync.source {self.sync.source!r} is not a node of this cluster; name one of "
@@ -121,6 +122,26 @@ class ClusterConfig(BaseSettings):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def _port_collisions(self) -> list[str]:
+        """The head's ports the group binds, two on one number (the second bind would fail
+        after the old stack was stopped). Ray's matters unless the backend is mp, the
+        rendezvous' unless it is ray."""
+        backend = self.vllm.backend
+        used = [("vllm.port", self.vllm.port)]
+        if backend != "mp":
+            used.append(("ray.port", self.ray.port))
+        if backend != "ray":
+            used.append(("vllm.master_port", self.vllm.master_port))
+        problems = []
+        for i, (key, port) in enumerate(used):
+            for other, number in used[i + 1 :]:
+                if number == port:
+                    problems.append(
+                        f"{key} and {other} are both {port}: each needs its own port on the "
+                        "head; change one of them"
+                    )
+        return problems
 
     @property
     def sync_source(self) -> NodeConfig:
