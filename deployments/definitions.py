@@ -21,8 +21,6 @@ from vllm_redeploy.config import CONFIG_VARIABLE, ClusterConfig
 from vllm_redeploy.events import EVENT_CLUSTER_REBOOTED, EVENT_UNHEALTHY, RESOURCE_LABEL_CLUSTER
 from vllm_redeploy.names import cluster_tag, deployment_name
 
-NIGHTLY_CRON = "0 4 * * *"
-NIGHTLY_TIMEZONE = "UTC"  # explicit: the schedule must not move with the controller's locale
 # No deployment carries Prefect's own concurrency limit: the cluster's lock (tasks/standing/lock.py)
 # already runs one run of the cluster at a time, whatever deployment or process started it, and
 # never drops one. A deployment limit would add a lease that the flow's process must renew, and
@@ -59,6 +57,27 @@ def unhealthy_trigger(config: ClusterConfig) -> DeploymentEventTrigger:
     )
 
 
+def nightly_schedules(config: ClusterConfig) -> list[Any]:
+    """``[schedule]``: the nightly cron in its time zone (explicit: it must not move with the
+    controller's locale); none when it is "off". `serve` replaces what the deployment had."""
+    schedule = config.schedule
+    if schedule.nightly == "off":
+        return []
+    return [Cron(schedule.nightly, timezone=schedule.timezone, slug="nightly")]
+
+
+def schedule_problem(config: ClusterConfig) -> str | None:
+    """Why Prefect would refuse ``[schedule] nightly`` (a value out of range: minute 61, ...)."""
+    try:
+        nightly_schedules(config)
+    except ValueError as exc:
+        return (
+            f"schedule.nightly: {config.schedule.nightly!r} is not a cron line Prefect accepts "
+            f'({exc}); e.g. "0 4 * * *", "30 2 * * 1-5"'
+        )
+    return None
+
+
 def deployment_specs(config: ClusterConfig, config_path: Path) -> list[dict[str, Any]]:
     """Keyword arguments of ``flow.to_deployment`` for nightly, after-reboot, recover, manual.
     ``config_path`` is shown in the UI's form; a run that names another file is refused."""
@@ -67,8 +86,9 @@ def deployment_specs(config: ClusterConfig, config_path: Path) -> list[dict[str,
     return [
         {
             "name": deployment_name(config.name, "nightly"),
-            "description": "Every night: a full redeploy, so the cluster starts the day fresh.",
-            "schedules": [Cron(NIGHTLY_CRON, timezone=NIGHTLY_TIMEZONE, slug="nightly")],
+            "description": "Every night ([schedule] nightly): a full redeploy, so the cluster "
+            "starts the day fresh.",
+            "schedules": nightly_schedules(config),
             "parameters": {**params, "mode": "redeploy", "trigger": "nightly"},
             "tags": [*tags, "nightly"],
         },

@@ -179,6 +179,21 @@ BAD = [
         ),
         ["vllm.port and vllm.master_port are both 30000"],
     ),
+    (
+        "cron of six fields",
+        MINIMAL + '[schedule]\nnightly = "0 0 4 * * *"\n',
+        ["schedule.nightly", "is not a cron line of five fields"],
+    ),
+    (
+        "cron out of range",
+        MINIMAL + '[schedule]\nnightly = "0 25 * * *"\n',
+        ["schedule.nightly: '0 25 * * *' is not a cron line Prefect accepts (Invalid cron string"],
+    ),
+    (
+        "unknown time zone",
+        MINIMAL + '[schedule]\ntimezone = "Europe/Atlantis"\n',
+        ["schedule.timezone", "is not an IANA time zone"],
+    ),
     ("bad toml", "[[nodes]\n", ["not valid TOML"]),
     (
         "wrong type",

@@ -19,13 +19,14 @@ import httpx
 import pytest
 import yaml
 
-from deployments.definitions import deployment_specs
+from deployments.definitions import deployment_specs, nightly_schedules
 from deployments.event_sender import EventSender
 from deployments.webhook import running_webhook, sign
 from tests.conftest import make_bed
 from tests.testbed.bed import TestBed
 from tests.testbed.procs import spawn, stop
 from vllm_redeploy.config import load_config
+from vllm_redeploy.config.runs import ScheduleConfig
 from vllm_redeploy.events import cluster_rebooted_event
 
 pytestmark = pytest.mark.integration
@@ -133,6 +134,16 @@ def test_serve_and_prefect_yaml_declare_the_same_deployments() -> None:
     (yaml_schedule,) = declared["nightly"]["schedules"]
     assert (schedule.cron, schedule.timezone) == (yaml_schedule["cron"], yaml_schedule["timezone"])
     (trigger,) = specs["after-reboot"]["triggers"]
+    # A cluster's own [schedule], or none.
+    weekdays = config.model_copy(
+        update={"schedule": ScheduleConfig(nightly="30 2 * * 1-5", timezone="Europe/Berlin")}
+    )
+    (mine,) = nightly_schedules(weekdays)
+    assert (mine.cron, mine.timezone) == ("30 2 * * 1-5", "Europe/Berlin")
+    assert (
+        nightly_schedules(config.model_copy(update={"schedule": ScheduleConfig(nightly="off")}))
+        == []
+    )
     (yaml_trigger,) = declared["after-reboot"]["triggers"]
     assert trigger.within.total_seconds() == yaml_trigger["within"]
     assert trigger.expect == set(yaml_trigger["expect"]) == {"vllm.cluster.rebooted"}
@@ -160,6 +171,7 @@ def served(
             vllm={"env": {"VRD_LOAD_SECONDS": "1"}},
             # A delay no run here waits out: the run starts when both nodes have reported.
             webhook={"reboot_debounce_s": 120, "reboot_delay_s": REBOOT_DELAY_S},
+            schedule={"nightly": "30 2 * * 1-5", "timezone": "Europe/Berlin"},
         )
         config = load_config(path, env_file=None)
         env = {"PREFECT_API_URL": prefect_api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
@@ -230,6 +242,18 @@ def wait_for_runs(url: str, deployment_id: str, count: int, timeout: float) -> l
 def after_reboot(url: str, path: Path) -> dict[str, Any]:
     config = load_config(path, env_file=None)
     return deployments_by_name(url)[f"{config.name}-after-reboot"]
+
+
+def test_serve_registers_the_clusters_own_schedule(
+    prefect_api: str, served: tuple[TestBed, Path, str]
+) -> None:
+    config = load_config(served[1], env_file=None)
+    (nightly,) = deployments_by_name(prefect_api)[f"{config.name}-nightly"]["schedules"]
+    assert (nightly["schedule"]["cron"], nightly["schedule"]["timezone"]) == (
+        "30 2 * * 1-5",
+        "Europe/Berlin",
+    )
+    assert nightly["active"]
 
 
 def test_bad_calls_start_no_run(prefect_api: str, served: tuple[TestBed, Path, str]) -> None:

@@ -19,6 +19,7 @@ from vllm_redeploy.config import (
     load_clusters,
     load_config,
 )
+from vllm_redeploy.config.runs import DEFAULT_NIGHTLY
 from vllm_redeploy.safe_text import for_terminal, shown
 
 EXIT_CONFIG = 2  # bad input, like argparse and click
@@ -86,7 +87,14 @@ def load_or_exit(path: Path) -> ClusterConfig:
 
 def load_all_or_exit(paths: list[Path]) -> list[ClusterConfig]:
     try:
-        return load_clusters(paths) if len(paths) > 1 else [load_config(paths[0])]
+        clusters = load_clusters(paths) if len(paths) > 1 else [load_config(paths[0])]
+        for cluster, path in zip(clusters, paths, strict=False):
+            if cluster.schedule.nightly not in ("off", DEFAULT_NIGHTLY):
+                from deployments.definitions import schedule_problem
+
+                if problem := schedule_problem(cluster):
+                    raise ConfigError(str(path), [problem])
+        return clusters
     except ConfigError as exc:
         err.print(
             f"[bold red]Configuration problem in {markup_safe(shown(exc.source))}[/]",

@@ -21,6 +21,7 @@ from vllm_redeploy.config.runs import (
     DeadlinesConfig,
     LockConfig,
     ProbeConfig,
+    ScheduleConfig,
     SecretsConfig,
     SyncConfig,
     WatchConfig,
@@ -55,6 +56,7 @@ class ClusterConfig(BaseSettings):
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     autostart: AutostartConfig = Field(default_factory=AutostartConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     deadlines: DeadlinesConfig = Field(default_factory=DeadlinesConfig)
     lock: LockConfig = Field(default_factory=LockConfig)
     watch: WatchConfig = Field(default_factory=WatchConfig)

@@ -1,5 +1,5 @@
-"""How runs behave: ``[autostart]`` (what to stop first), ``[deadlines]``, ``[lock]``,
-``[watch]``, ``[probe]``, ``[webhook]``, ``[secrets]`` and ``[sync]``.
+"""How runs behave: ``[autostart]`` (what to stop first), ``[schedule]``, ``[deadlines]``,
+``[lock]``, ``[watch]``, ``[probe]``, ``[webhook]``, ``[secrets]`` and ``[sync]``.
 """
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import ipaddress
 import re
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 
 from vllm_redeploy.config.fields import (
     HOST_PATTERN,
@@ -35,6 +36,43 @@ class AutostartConfig(Section):
     disable_units: bool = Field(
         False, description="Also disable the units, so they do not start at the next boot."
     )
+
+
+DEFAULT_NIGHTLY = "0 4 * * *"
+CRON_LINE = re.compile(r"^[0-9A-Za-z*,/-]+( [0-9A-Za-z*,/-]+){4}$")
+
+
+class ScheduleConfig(Section):
+    nightly: str = Field(
+        DEFAULT_NIGHTLY,
+        description='When the nightly full redeploy runs: a cron line of five fields, or "off".',
+    )
+    timezone: str = Field(
+        "UTC", description="The IANA time zone the cron line is read in (e.g. Europe/Berlin)."
+    )
+
+    @field_validator("nightly")
+    @classmethod
+    def _cron(cls, value: str) -> str:
+        # Its shape here; whether Prefect takes its values (minute 0-59, ...) is asked where
+        # Prefect is (deployments.definitions.schedule_problem, from check-config and serve).
+        if value != "off" and not CRON_LINE.fullmatch(value):
+            raise ValueError(
+                f'{value!r} is not a cron line of five fields (e.g. "0 4 * * *", '
+                '"30 2 * * 1-5"), nor "off"'
+            )
+        return value
+
+    @field_validator("timezone")
+    @classmethod
+    def _zone(cls, value: str) -> str:
+        try:
+            ZoneInfo(value)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(
+                f"{value!r} is not an IANA time zone (e.g. UTC, Europe/Berlin, America/New_York)"
+            ) from None
+        return value
 
 
 class DeadlinesConfig(Section):
