@@ -5,13 +5,16 @@ shared secret (notifier.secret, 0600, root's: the unit runs the script as a user
 DynamicUser=, and systemd hands it the secret with LoadCredential=). Contents travel on
 stdin, never on the command line, so the secret shows in no process list or log. A file is
 written only when its sha256 or mode differs from what is there; the unit is reloaded only when
-it changed, then enabled.
+it changed, then enabled. What needs root is a fixed list of commands (``root_commands``), run
+through ``sudo -n`` by a login that is not root: a sudoers line can allow exactly them, and the
+install prints that line when sudo refuses one.
 """
 
 from __future__ import annotations
 
 import hashlib
 import posixpath
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.names import webhook_path
 from vllm_redeploy.nodes import NodeAccess, NodeDocker, RemoteError, Runner
 from vllm_redeploy.nodes.containers import LABEL_MANAGED
+from vllm_redeploy.nodes.privilege import SUDOERS_FILE, probe_root, refused_as_root, sudoers_line
 
 UNIT_NAME = "vllm-redeploy-notify.service"
 SCRIPT_PATH = "usr/local/lib/vllm-redeploy/notify.py"
@@ -29,17 +33,15 @@ SECRET_PATH = "etc/vllm-redeploy/notifier.secret"  # noqa: S105 - a path, not a 
 SOURCE_DIR = Path(__file__).resolve().parent / "notifier"
 COMMAND_TIMEOUT_S = 30.0
 
-# $1 = path, $2 = octal mode; the content is on stdin. Parent directories get 0755, the file
-# is written under umask 077 to a temporary name, given its mode, then renamed into place.
-_WRITE = (
-    '(umask 022; mkdir -p -- "$(dirname -- "$1")") && umask 077 && cat > "$1.tmp" '
-    '&& chmod "$2" "$1.tmp" && mv -f -- "$1.tmp" "$1"'
-)
-# One line per path argument: "<octal mode> <sha256>", or "missing".
+# One line per path argument, as the login sees it: "<octal mode> <sha256>", "<mode> -" when the
+# login may not read it (the secret, 0600 root's: its digest is asked as root), or "missing".
 _STATE = (
-    'for f; do if [ -f "$f" ]; then printf "%s %s\\n" "$(stat -c %a -- "$f")" '
-    '"$(sha256sum < "$f" | cut -d" " -f1)"; else echo missing; fi; done'
+    'for f; do if [ ! -f "$f" ]; then echo missing; elif [ -r "$f" ]; then printf "%s %s\\n" '
+    '"$(stat -c %a -- "$f")" "$(sha256sum < "$f" | cut -d" " -f1)"; else printf "%s -\\n" '
+    '"$(stat -c %a -- "$f")"; fi; done'
 )
+# What runs as root, each command fixed so that a sudoers line can allow exactly it.
+NOTIFIER_TOOLS = ("install", "sha256sum", "systemctl")
 
 
 class NotifierInstallError(RemoteError):
@@ -155,23 +157,52 @@ def reload_risk(docker: NodeDocker) -> str | None:
     )
 
 
+def write_argv(file: NotifierFile) -> list[str]:
+    """Write the file from stdin with its mode, its directories made (0755): one fixed command."""
+    return ["install", "-D", "-m", f"{file.mode:04o}", "/dev/stdin", file.path]
+
+
+def root_commands(files: list[NotifierFile], enable: bool) -> list[list[str]]:
+    """Every command the install may run as root, for sudo -n or a sudoers line."""
+    secret = next(f for f in files if f.label == "notifier.secret")
+    commands = [["sha256sum", secret.path], *(write_argv(f) for f in files)]
+    if enable:
+        commands += [
+            ["systemctl", "daemon-reload"],
+            ["systemctl", "enable", "--no-reload", UNIT_NAME],
+        ]
+    return commands
+
+
 def _install(
     runner: Runner, files: list[NotifierFile], enable: bool, risk: str | None = None
 ) -> list[str]:
-    sudo, lines = _privilege(runner)
+    root = probe_root(runner, NOTIFIER_TOOLS)
+    commands = root_commands(files, enable)
+    if (refused := refused_as_root(runner, root, commands)) is not None:
+        shown = shlex.join(root.command(refused.commands[0]))
+        raise NotifierInstallError(
+            runner.node,
+            f"{runner.node}: installing the notifier writes its files under /etc and /usr/local "
+            f"and enables its unit, as root; the login {root.user} is not root and `sudo -n` "
+            f"refuses `{shown}` ({refused.reason}). Allow exactly these commands there "
+            f"(`sudo visudo -f {SUDOERS_FILE}`, beside the line preflight recommends) with the "
+            f"line `{sudoers_line(root, commands)}`, or connect as root (ssh_user)",
+        )
+    lines = [] if root.is_root else ["using sudo -n (the SSH user is not root)"]
 
-    def run(*argv: str, stdin: bytes | None = None, check: bool = True) -> str:
-        return runner.run(
-            [*sudo, *argv], stdin=stdin, check=check, timeout=COMMAND_TIMEOUT_S
-        ).stdout
+    def run(argv: list[str], stdin: bytes | None = None, check: bool = True) -> str:
+        return runner.run(argv, stdin=stdin, check=check, timeout=COMMAND_TIMEOUT_S).stdout
 
-    state = run("sh", "-c", _STATE, "sh", *(f.path for f in files)).splitlines()
+    state = run(["sh", "-c", _STATE, "sh", *(f.path for f in files)]).splitlines()
     if len(state) != len(files):
         raise NotifierInstallError(runner.node, f"unexpected answer checking files: {state!r}")
     unit_changed = False
     for file, now in zip(files, state, strict=True):
         want = hashlib.sha256(file.content).hexdigest()
         mode, _, digest = now.partition(" ")
+        if digest == "-":  # the login may not read it: its digest as root
+            digest = run(root.argv(["sha256sum", file.path])).partition(" ")[0]
         if now == "missing":
             how = "written (new)"
         elif digest != want:
@@ -181,40 +212,24 @@ def _install(
         else:
             lines.append(f"{file.label}: unchanged")
             continue
-        run("sh", "-c", _WRITE, "sh", file.path, f"{file.mode:o}", stdin=file.content)
+        run(root.argv(write_argv(file)), stdin=file.content)
         lines.append(f"{file.label}: {how}")
         unit_changed |= file.label == UNIT_NAME
     if not enable:
         lines.append("unit not enabled (enable=False)")
         return lines
     if unit_changed and risk is None:
-        run("systemctl", "daemon-reload")
+        run(root.argv(["systemctl", "daemon-reload"]))
         lines.append("systemd reloaded")
     elif unit_changed:
         lines.append(
             f"systemd NOT reloaded ({risk}); the notifier runs at boot, so it takes effect at "
             "the next boot; or run `systemctl daemon-reload` there while the group is down"
         )
-    if run("systemctl", "is-enabled", UNIT_NAME, check=False).strip() == "enabled":
+    if run(["systemctl", "is-enabled", UNIT_NAME], check=False).strip() == "enabled":
         lines.append("unit already enabled")
     else:
         # --no-reload: `enable` would reload systemd itself otherwise (see reload_risk).
-        run("systemctl", "enable", "--no-reload", UNIT_NAME)
+        run(root.argv(["systemctl", "enable", "--no-reload", UNIT_NAME]))
         lines.append("unit enabled")
     return lines
-
-
-def _privilege(runner: Runner) -> tuple[list[str], list[str]]:
-    """``sudo -n`` when the SSH user is not root (checked once), and a line saying so."""
-    if runner.run(["id", "-u"], timeout=COMMAND_TIMEOUT_S).stdout.strip() == "0":
-        return [], []
-    probe = runner.run(["sudo", "-n", "true"], check=False, timeout=COMMAND_TIMEOUT_S)
-    if not probe.ok:
-        reason = probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else "refused"
-        raise NotifierInstallError(
-            runner.node,
-            f"{runner.node}: the SSH user is not root and `sudo -n` was refused ({reason}). "
-            "Installing the notifier writes to /etc and /usr/local and runs systemctl: connect "
-            "as root (ssh_user), or allow this user passwordless sudo on the node.",
-        )
-    return ["sudo", "-n"], ["using sudo -n (the SSH user is not root)"]

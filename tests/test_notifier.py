@@ -9,6 +9,7 @@ import contextlib
 import hmac
 import http.server
 import os
+import re
 import secrets
 import select
 import subprocess
@@ -26,14 +27,19 @@ import pytest
 from deployments.event_sender import EventSender, reboot_event_id
 from deployments.install_notifier import (
     ENV_PATH,
+    NOTIFIER_TOOLS,
     SCRIPT_PATH,
     SECRET_PATH,
     UNIT_NAME,
     UNIT_PATH,
+    NotifierInstallError,
     install_notifier,
+    notifier_files,
     reload_risk,
+    root_commands,
 )
 from deployments.webhook import SECRET_ENV, running_webhook, sign
+from tests.conftest import keep_for_notes
 from tests.test_webhook import make_config, wait_for_event
 from tests.testbed import users
 from tests.testbed.bed import TestBed
@@ -42,12 +48,15 @@ from tests.testbed.procs import free_port, wait_until
 from tests.testbed.standins.units import parse_ini
 from vllm_redeploy.config import ClusterConfig, load_config
 from vllm_redeploy.nodes import NodeAccess, SSHRunner, runner_for
+from vllm_redeploy.nodes.privilege import probe_root, refused_as_root
 from vllm_redeploy.nodes.runner import OutputCapture
 
 pytestmark = pytest.mark.integration
 
 NODE = "node-2"
-SUDO_ALL = "/etc/sudoers.d/50-notifier-install"
+# Where the test puts the line install-notifier asks for, as the operator would (visudo -f).
+SUDO_LINE = "/etc/sudoers.d/50-notifier-install"
+SUDO_PREFIX_LINE = "/etc/sudoers.d/51-notifier-prefix"
 SCRIPT = Path(__file__).resolve().parents[1] / "deployments" / "notifier" / "notify.py"
 PYTHON = "/usr/bin/python3"  # what the unit's ExecStart runs
 
@@ -96,7 +105,7 @@ def _clean(node: EmulatedNode) -> None:
     """Nothing of the notifier left on the node: its unit off and gone, its files removed."""
     node.systemctl("disable", "--now", UNIT_NAME)
     node.run(["rm", "-rf", "/etc/vllm-redeploy", "/usr/local/lib/vllm-redeploy", f"/{UNIT_PATH}"])
-    node.run(["rm", "-f", SUDO_ALL])
+    node.run(["rm", "-f", SUDO_LINE, SUDO_PREFIX_LINE])
     node.systemctl("daemon-reload")
 
 
@@ -118,9 +127,8 @@ def setup(
     assert secret not in path.read_text()
     node = bed.node(NODE)
     _clean(node)
-    # Installing writes /etc and /usr/local and runs systemctl: the operator who installs it
-    # may use sudo there (the bed's node-2 allows only the old stack's unit by default).
-    node.write_file(SUDO_ALL, f"{users.LOGIN} ALL=(ALL) NOPASSWD: ALL\n", mode=0o440)
+    # The bed's node-2 login has sudo for the old stack's unit only (the line preflight
+    # recommends): installing asks for its own commands (allow_what_it_asks).
     sender = EventSender(prefect_api)
     try:
         with running_webhook(config, sender, port=port):
@@ -128,6 +136,26 @@ def setup(
     finally:
         sender.close(timeout=10)
         _clean(node)
+
+
+def asked_line(message: str) -> str:
+    found = re.search(r"with the line `([^`]+)`", message)
+    assert found, message
+    return found.group(1)
+
+
+def allow_what_it_asks(setup: Setup, prefix: str = "/", enable: bool = True) -> None:
+    """The sudoers line install-notifier prints when sudo refuses it, put on the node."""
+    node_config = next(n for n in setup.config.nodes if n.name == NODE)
+    files = notifier_files(setup.config, NODE, prefix)
+    with runner_for(node_config, setup.config) as runner:
+        root = probe_root(runner, NOTIFIER_TOOLS)
+        if refused_as_root(runner, root, root_commands(files, enable)) is None:
+            return
+    with pytest.raises(NotifierInstallError) as refused:
+        install_notifier(setup.config, NODE, prefix, enable=enable)
+    where = SUDO_LINE if prefix == "/" else SUDO_PREFIX_LINE
+    setup.node.write_file(where, asked_line(refused.value.message) + "\n", mode=0o440)
 
 
 def install_command(setup: Setup) -> list[str]:
@@ -145,7 +173,37 @@ def install_command(setup: Setup) -> list[str]:
     return done.stdout.splitlines()
 
 
+def test_sudo_refusing_the_install_prints_the_exact_line_that_allows_it(setup: Setup) -> None:
+    """As on a Spark whose login has password sudo, with the line preflight recommends for the
+    old stack's unit: the install is refused before any file is written, naming the line; with
+    that line (and nothing more) in sudoers, it installs."""
+    setup.node.run(["rm", "-f", SUDO_LINE])
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "vllm-redeploy"), "install-notifier", NODE],
+        cwd=setup.config_path.parent,
+        env={**os.environ, SECRET_ENV: setup.secret},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    keep_for_notes("notifier-sudo-refused", done.stderr)
+    assert done.stderr.count("\n") == 1  # one line, never wrapped: the sudoers line is copied
+    message = done.stderr.strip()
+    assert message.startswith(f"{NODE}: installing the notifier writes its files"), message
+    assert "Traceback" not in done.stderr and setup.secret not in done.stderr
+    line = asked_line(message)
+    assert line.startswith(f"{users.LOGIN} ALL=(root) NOPASSWD: ")
+    assert f"install -D -m 0600 /dev/stdin /{SECRET_PATH}," in line
+    assert line.endswith(f"systemctl enable --no-reload {UNIT_NAME}")
+    assert setup.node.run(["test", "-e", f"/{SECRET_PATH}"]).returncode == 1  # nothing written
+    setup.node.write_file(SUDO_LINE, line + "\n", mode=0o440)
+    assert install_command(setup)[-1] in ("unit enabled", "unit already enabled")
+    _clean(setup.node)
+
+
 def test_install_is_idempotent_and_keeps_the_secret_off_argv(setup: Setup) -> None:
+    allow_what_it_asks(setup)
     node_config = next(n for n in setup.config.nodes if n.name == NODE)
     runner = RecordingRunner(runner_for(node_config, setup.config))  # type: ignore[arg-type]
     with runner:
@@ -209,6 +267,7 @@ def test_install_is_idempotent_and_keeps_the_secret_off_argv(setup: Setup) -> No
 
 def test_install_below_a_prefix_writes_an_image_root_only(setup: Setup, tmp_path: Path) -> None:
     """For chroots and image builds: every file below the prefix, nothing enabled."""
+    allow_what_it_asks(setup, str(tmp_path), enable=False)
     lines = install_notifier(setup.config, NODE, str(tmp_path), enable=False)
     assert lines[-1] == "unit not enabled (enable=False)"
     assert (tmp_path / UNIT_PATH).read_bytes() == (SCRIPT.parent / UNIT_NAME).read_bytes()
@@ -230,6 +289,7 @@ def test_install_needs_the_webhook_url_and_secret(setup: Setup) -> None:
 def test_a_reboot_runs_the_installed_notifier_and_its_event_reaches_prefect(
     setup: Setup,
 ) -> None:
+    allow_what_it_asks(setup)
     assert install_command(setup)[-1] in ("unit already enabled", "unit enabled")
     node = setup.node
     old_boot = node.boot_id_file.read_text().strip()

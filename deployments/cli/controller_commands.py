@@ -149,7 +149,8 @@ def install_notifier_command(
         err.print(for_terminal(exc), markup=False, highlight=False)
         raise typer.Exit(EXIT_CONFIG) from None
     except RemoteError as exc:
-        err.print(for_terminal(exc), markup=False, highlight=False)
+        # One line however wide the terminal: the sudoers line in it is copied as it is.
+        err.print(for_terminal(exc), markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_UNREACHABLE) from None
 
 
