@@ -22,6 +22,9 @@ python3 -m venv "$work/venv"
 cd "$work" # nothing from the checkout on sys.path
 "$work/venv/bin/vllm-redeploy" --help >/dev/null
 "$work/venv/bin/vllm-redeploy" check-config --config "$repo/cluster.example.toml" >/dev/null
+# The example ships in the package: `init` writes it where no checkout is.
+"$work/venv/bin/vllm-redeploy" init "$work/cluster.toml" >/dev/null
+"$work/venv/bin/vllm-redeploy" check-config --config "$work/cluster.toml" >/dev/null
 # Every data file under deployments/ in git is in the installed package.
 expected=$(git -C "$repo" ls-files deployments | grep -v '\.py$' | grep -v '^deployments/compose/' | sort)
 installed=$("$work/venv/bin/python" - <<'PY'
@@ -37,4 +40,4 @@ if [ -n "$missing" ]; then
   echo "check-wheel: $(basename "$wheel") lacks: $missing (add them to package-data in pyproject.toml)" >&2
   exit 1
 fi
-echo "check-wheel: $(basename "$wheel") installs, runs --help and check-config, ships $(echo "$installed" | wc -l) data files"
+echo "check-wheel: $(basename "$wheel") installs, runs --help, init and check-config, ships $(echo "$installed" | wc -l) data files"

@@ -214,9 +214,44 @@ def test_bad_config_exits_2_naming_the_key(tmp_path: Path, text: str, expected: 
     assert "Traceback" not in output
 
 
-def test_missing_file_says_how_to_start(tmp_path: Path) -> None:
+def test_missing_file_says_how_to_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_REDEPLOY_CONFIG_DIR", str(tmp_path / "none-installed"))
     code, output = check_config(tmp_path / "nope.toml")
-    assert code == 2 and "cluster.example.toml" in output
+    assert code == 2 and "`vllm-redeploy init`" in " ".join(output.split())
+
+
+def test_init_writes_the_shipped_example_and_never_over_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    first = CliRunner().invoke(app, ["init"])
+    assert first.exit_code == 0, first.output
+    assert (tmp_path / "cluster.toml").read_text() == EXAMPLE.read_text()
+    (tmp_path / "cluster.toml").write_text("# mine\n")
+    again = CliRunner().invoke(app, ["init"])
+    assert again.exit_code == 2 and "exists: nothing was written" in again.output
+    assert (tmp_path / "cluster.toml").read_text() == "# mine\n"
+
+
+def test_an_installed_cluster_is_found_by_its_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """install-controller's /etc/vllm-redeploy/<cluster>.toml and <cluster>.env: `-c NAME`, or
+    no -c at all where one cluster is installed and ./cluster.toml is not there."""
+    installed = tmp_path / "etc"
+    installed.mkdir()
+    (installed / "pair.toml").write_text(MINIMAL)
+    (installed / "pair.env").write_text("VLLM_REDEPLOY_VLLM__PORT=31000\n")
+    monkeypatch.setenv("VLLM_REDEPLOY_CONFIG_DIR", str(installed))
+    monkeypatch.chdir(tmp_path)
+    for args in (["-c", "pair"], []):
+        done = CliRunner().invoke(app, ["check-config", "--json", *args])
+        assert done.exit_code == 0, done.output
+        assert '"port": 31000' in done.output  # its own env file came with it
+    (installed / "other.toml").write_text(MINIMAL)
+    done = CliRunner().invoke(app, ["check-config"])  # two installed: which one is not guessed
+    assert done.exit_code == 2
+    assert "installed here: other, pair" in " ".join(done.output.split())
 
 
 def test_real_process_exit_code_and_no_traceback(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict
+from importlib.resources import files
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -26,6 +27,7 @@ from deployments.cli.common import (
 )
 from vllm_redeploy import nccl_logging
 from vllm_redeploy.config import (
+    DEFAULT_CONFIG,
     SECRET_KEYS,
     ClusterConfig,
     NodeConfig,
@@ -39,6 +41,31 @@ from vllm_redeploy.gpus import GpuReport, inspect_gpus
 from vllm_redeploy.nodes import NodeAccess, check_nodes, fan_out
 from vllm_redeploy.probe import run_probe
 from vllm_redeploy.safe_text import for_terminal, shown
+
+EXAMPLE = "cluster.example.toml"  # shipped in the deployments package
+
+
+@app.command()
+def init(
+    config: Annotated[Path, typer.Argument(help="Where to write it.")] = DEFAULT_CONFIG,
+) -> None:
+    """Write the example configuration (two DGX Sparks, every key explained) to start from."""
+    if config.exists():
+        err.print(
+            f"{markup_safe(config)} exists: nothing was written. Edit it, or name another "
+            "path (`vllm-redeploy init PATH`)",
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(EXIT_CONFIG)
+    example = files("deployments").joinpath(EXAMPLE).read_text(encoding="utf-8")
+    config.write_text(example, encoding="utf-8")
+    out.print(
+        f"wrote {markup_safe(config)}: put your nodes' addresses, fabric IPs, image and model "
+        f"in it, then run `vllm-redeploy check-config -c {markup_safe(config)}`",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 @app.command("check-config")

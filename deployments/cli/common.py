@@ -18,6 +18,7 @@ from vllm_redeploy.config import (
     ConfigError,
     load_clusters,
     load_config,
+    resolve_config,
 )
 from vllm_redeploy.config.runs import DEFAULT_NIGHTLY
 from vllm_redeploy.safe_text import for_terminal, shown
@@ -43,16 +44,26 @@ out = Console(width=None if Console().is_terminal else 200)
 err = Console(stderr=True, width=None if Console(stderr=True).is_terminal else 200)
 
 
+def _resolved(path: Path) -> Path:
+    return resolve_config(path)
+
+
+def _all_resolved(paths: list[Path]) -> list[Path]:
+    return [resolve_config(p) for p in paths]
+
+
 # Without --config the path comes from VLLM_REDEPLOY_CONFIG (prefect.yaml's, compose.yaml's),
-# else ./cluster.toml.
+# else ./cluster.toml, else the one cluster installed here. A name finds an installed cluster.
 ConfigOption = Annotated[
     Path,
     typer.Option(
         "--config",
         "-c",
-        help="Cluster configuration (TOML).",
+        help="Cluster configuration (TOML), or the name of a cluster installed by "
+        "install-controller (/etc/vllm-redeploy/NAME.toml).",
         envvar=CONFIG_VARIABLE,
         show_default=True,
+        callback=_resolved,
     ),
 ]
 
@@ -62,10 +73,12 @@ ConfigsOption = Annotated[
     typer.Option(
         "--config",
         "-c",
-        help="A cluster's configuration (TOML); repeat for several (each with its own env file). "
-        f"{CONFIG_VARIABLE} may name several, separated by '{os.pathsep}'.",
+        help="A cluster's configuration (TOML) or installed cluster's name; repeat for several "
+        f"(each with its own env file). {CONFIG_VARIABLE} may name several, separated by "
+        f"'{os.pathsep}'.",
         envvar=CONFIG_VARIABLE,
         show_default=True,
+        callback=_all_resolved,
     ),
 ]
 

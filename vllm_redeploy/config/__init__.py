@@ -23,6 +23,7 @@ from vllm_redeploy.config.loading import (
     environ_overrides,
     load_clusters,
     load_config,
+    resolve_config,
 )
 from vllm_redeploy.config.nodes import NodeConfig, SSHConfig
 from vllm_redeploy.config.runs import (
@@ -65,5 +66,6 @@ __all__ = [
     "environ_overrides",
     "load_clusters",
     "load_config",
+    "resolve_config",
     "settings_data",
 ]

@@ -16,7 +16,12 @@ ENV_PREFIX = "VLLM_REDEPLOY_"
 # Variables of the prefix that are not settings of a cluster: the CLI's default --config, and
 # prefect.yaml's cluster and checkout. Every other VLLM_REDEPLOY_ name must be a setting.
 CONFIG_VARIABLE = "VLLM_REDEPLOY_CONFIG"
-OWN_VARIABLES = frozenset({CONFIG_VARIABLE, "VLLM_REDEPLOY_CLUSTER", "VLLM_REDEPLOY_HOME"})
+# Where install-controller puts each cluster (<name>.toml and <name>.env): -c NAME finds it there.
+CONFIG_DIR_VARIABLE = "VLLM_REDEPLOY_CONFIG_DIR"
+INSTALLED_DIR = Path("/etc/vllm-redeploy")
+OWN_VARIABLES = frozenset(
+    {CONFIG_VARIABLE, CONFIG_DIR_VARIABLE, "VLLM_REDEPLOY_CLUSTER", "VLLM_REDEPLOY_HOME"}
+)
 DEFAULT_CONFIG = Path("cluster.toml")
 # What may appear in values that end up in container names, paths, unit names and flags. The
 # code quotes everything it sends to a shell anyway; these rules catch typos and pasted shell.

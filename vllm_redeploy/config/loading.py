@@ -32,7 +32,13 @@ from vllm_redeploy.config.errors import (
     location,
     showable,
 )
-from vllm_redeploy.config.fields import CONFIG_VARIABLE, DEFAULT_CONFIG, ENV_PREFIX
+from vllm_redeploy.config.fields import (
+    CONFIG_DIR_VARIABLE,
+    CONFIG_VARIABLE,
+    DEFAULT_CONFIG,
+    ENV_PREFIX,
+    INSTALLED_DIR,
+)
 from vllm_redeploy.config.sources import Sources
 from vllm_redeploy.config.strict import TypeMistake, toml_type_mistakes
 from vllm_redeploy.safe_text import one_line, shown
@@ -165,15 +171,47 @@ def _is_setting(key: str) -> bool:
     return upper.startswith(ENV_PREFIX) and field in ClusterConfig.model_fields
 
 
+def installed_dir() -> Path:
+    """Where the installed clusters' files are (install-controller's /etc/vllm-redeploy)."""
+    return Path(os.environ.get(CONFIG_DIR_VARIABLE) or INSTALLED_DIR)
+
+
+def installed_clusters() -> list[str]:
+    """The names of the clusters installed on this machine."""
+    try:
+        return sorted(p.stem for p in installed_dir().glob("*.toml") if p.is_file())
+    except OSError:
+        return []
+
+
+def resolve_config(path: Path) -> Path:
+    """What ``--config`` names: a file; else the name of an installed cluster (its
+    ``<name>.toml`` there, read with its ``<name>.env``); and, when the default ./cluster.toml is
+    not there, the one cluster installed on this machine."""
+    if path.exists():
+        return path
+    text = str(path)
+    if "/" not in text and not text.endswith(".toml"):
+        named = installed_dir() / f"{text}.toml"
+        if named.is_file():
+            return named
+    installed = installed_clusters()
+    if path == DEFAULT_CONFIG and len(installed) == 1:
+        return installed_dir() / f"{installed[0]}.toml"
+    return path
+
+
 def _read_toml(path: Path) -> tuple[str, dict[str, Any]]:
     """The file's text and its data."""
     if not path.exists():
+        installed = installed_clusters()
+        here = f" (installed here: {', '.join(installed)})" if installed else ""
         raise ConfigError(
             str(path),
             [
-                "the configuration file does not exist: pass --config FILE (or set "
-                f"{CONFIG_VARIABLE}), or copy cluster.example.toml to cluster.toml and describe "
-                "your nodes"
+                "the configuration file does not exist: pass --config FILE or the name of a "
+                f"cluster installed in {installed_dir()}{here} (or set {CONFIG_VARIABLE}), or "
+                "write one to start from with `vllm-redeploy init` and describe your nodes"
             ],
         )
     try:
