@@ -287,6 +287,8 @@ def install_controller(
             "install-controller creates a system user and writes /etc: run it as root (sudo)"
         )
     root = Path(prefix)
+    if hidden := _hidden_from_units(bin_dir):
+        raise InstallError(hidden)
     bin_dir = bin_dir or default_bin_dir()
     lines = _warnings(root, bin_dir)
     lines += _ensure_user(root, prefix, run, SERVICE_USER, STATE_DIR, "vllm-redeploy services")
@@ -333,13 +335,36 @@ def install_controller(
     return lines
 
 
+HIDDEN = ("/home/", "/root/", "/run/user/")  # what ProtectHome=yes hides from the units
+INSTALL_RECIPE = (
+    "sudo python3 -m venv /opt/vllm-redeploy/.venv && sudo /opt/vllm-redeploy/.venv/bin/pip "
+    "install ./vllm-redeploy  (a checkout or wheel; not -e), then sudo "
+    "/opt/vllm-redeploy/.venv/bin/vllm-redeploy install-controller ..."
+)
+
+
+def _hidden_from_units(bin_dir: str | None) -> str | None:
+    """Why the units could not run this installation: its programs (``bin_dir``, default this
+    one's) or, for this one, its code (an editable or user install) under a path the units
+    hide. Nothing is written for an installation that could not start."""
+    found = [("the units' programs", bin_dir or default_bin_dir())]
+    if bin_dir is None:
+        import vllm_redeploy
+
+        found.append(("its code", str(Path(vllm_redeploy.__file__).resolve().parent)))
+    for what, path in found:
+        if (path.rstrip("/") + "/").startswith(HIDDEN):
+            return (
+                f"install-controller: {what} ({path}) are under /home, /root or /run/user, which "
+                "the units hide (ProtectHome=yes): the services could not start, so nothing was "
+                "installed. Install into a root-owned virtual environment they see: "
+                f"{INSTALL_RECIPE}"
+            )
+    return None
+
+
 def _warnings(root: Path, bin_dir: str) -> list[str]:
     lines = []
-    if bin_dir.startswith(("/home/", "/root/")):
-        lines.append(
-            f"warning: {bin_dir} is under /home or /root, which the units hide (ProtectHome=yes): "
-            "install into /opt/vllm-redeploy, or give --bin-dir"
-        )
     for program in ("vllm-redeploy", "prefect"):
         if not os.access(root / bin_dir.lstrip("/") / program, os.X_OK):
             lines.append(f"warning: no {program} in {bin_dir} (the units' ExecStart=)")

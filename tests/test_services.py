@@ -128,6 +128,24 @@ def _cli(*args: str) -> list[str]:
     return result.output.splitlines()
 
 
+def test_an_installation_the_units_cannot_see_is_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    """`pipx install .` (~/.local) or a venv in a home directory: ProtectHome=yes hides it."""
+    root = tmp_path / "root"
+    root.mkdir()
+    hidden = "/home/nvidia/.local/share/pipx/venvs/vllm-redeploy/bin"
+    done = CliRunner().invoke(
+        app, ["install-controller", "--prefix", str(root), "--bin-dir", hidden]
+    )
+    assert done.exit_code == 1, done.output
+    message = " ".join(done.output.split())
+    assert message.startswith(f"install-controller: the units' programs ({hidden}) are under")
+    assert "(ProtectHome=yes)" in message and "nothing was installed" in message
+    assert "sudo python3 -m venv /opt/vllm-redeploy/.venv" in message
+    assert list(root.iterdir()) == []
+
+
 def test_install_controller_twice_changes_nothing(tmp_path: Path) -> None:
     _need("systemctl", "systemd")  # `systemctl --root` enables the units in the image root
     _need("useradd", "passwd")
