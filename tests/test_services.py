@@ -146,6 +146,27 @@ def test_an_installation_the_units_cannot_see_is_refused_before_anything_is_writ
     assert list(root.iterdir()) == []
 
 
+def test_a_local_node_is_refused_for_the_units_naming_the_ssh_way(tmp_path: Path) -> None:
+    """A controller on one of the Sparks, that Spark as transport = "local": the units' sandbox
+    would fail its commands for the wrong reason."""
+    root = tmp_path / "root"
+    root.mkdir()
+    text = EXAMPLE.read_text().replace(
+        'name = "spark-a"', 'name = "spark-a"\ntransport = "local"', 1
+    )
+    assert 'transport = "local"' in text
+    config = tmp_path / "local.toml"
+    config.write_text(text)
+    done = CliRunner().invoke(app, ["install-controller", "--prefix", str(root), "-c", str(config)])
+    assert done.exit_code == 2, done.output
+    message = " ".join(done.output.split())
+    assert (
+        'node spark-a has transport = "local", but the units run the flow in a sandbox' in message
+    )
+    assert 'transport = "ssh" with address = "127.0.0.1"' in message
+    assert list(root.iterdir()) == []
+
+
 def test_install_controller_twice_changes_nothing(tmp_path: Path) -> None:
     _need("systemctl", "systemd")  # `systemctl --root` enables the units in the image root
     _need("useradd", "passwd")

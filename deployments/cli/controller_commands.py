@@ -172,7 +172,21 @@ def install_controller_command(
     """Install the controller's systemd units (Prefect server; serve, webhook and watch of a
     cluster), their user and settings (idempotent); prints what changed."""
     if config is not None:
-        name = load_or_exit(config).name
+        loaded = load_or_exit(config)
+        name = loaded.name
+        if local := [n.name for n in loaded.nodes if n.transport == "local"]:
+            err.print(
+                f'{shown(config)}: node {shown(local[0])} has transport = "local", but the '
+                "units run the flow in a sandbox (no devices, no netlink, /home hidden, a user "
+                "outside the docker group), where a local node's nvidia-smi, ip and docker "
+                "would fail for the wrong reason. Reach it over SSH like the others: "
+                'transport = "ssh" with address = "127.0.0.1" and its login (ssh_user), whose '
+                "host key goes into the service's known_hosts; nothing was installed",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
+            raise typer.Exit(EXIT_CONFIG)
         if cluster not in (None, name):
             err.print(f"--cluster {shown(cluster)} but {config} names {shown(name)}", markup=False)
             raise typer.Exit(EXIT_CONFIG)
