@@ -158,10 +158,10 @@ def allow_what_it_asks(setup: Setup, prefix: str = "/", enable: bool = True) -> 
     setup.node.write_file(where, asked_line(refused.value.message) + "\n", mode=0o440)
 
 
-def install_command(setup: Setup) -> list[str]:
+def run_install_command(setup: Setup) -> subprocess.CompletedProcess[str]:
     """`vllm-redeploy install-notifier NODE` as the README has it, in the directory of the
-    cluster's cluster.toml with the secret in the environment: its output lines."""
-    done = subprocess.run(
+    cluster's cluster.toml with the secret in the environment."""
+    return subprocess.run(
         [str(Path(sys.executable).parent / "vllm-redeploy"), "install-notifier", NODE],
         cwd=setup.config_path.parent,
         env={**os.environ, SECRET_ENV: setup.secret},
@@ -169,6 +169,11 @@ def install_command(setup: Setup) -> list[str]:
         text=True,
         timeout=120,
     )
+
+
+def install_command(setup: Setup) -> list[str]:
+    """The install, which must succeed: its output lines."""
+    done = run_install_command(setup)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout.splitlines()
 
@@ -178,14 +183,7 @@ def test_sudo_refusing_the_install_prints_the_exact_line_that_allows_it(setup: S
     old stack's unit: the install is refused before any file is written, naming the line; with
     that line (and nothing more) in sudoers, it installs."""
     setup.node.run(["rm", "-f", SUDO_LINE])
-    done = subprocess.run(
-        [str(Path(sys.executable).parent / "vllm-redeploy"), "install-notifier", NODE],
-        cwd=setup.config_path.parent,
-        env={**os.environ, SECRET_ENV: setup.secret},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_install_command(setup)
     assert done.returncode == 1, done.stdout + done.stderr
     keep_for_notes("notifier-sudo-refused", done.stderr)
     assert done.stderr.count("\n") == 1  # one line, never wrapped: the sudoers line is copied
