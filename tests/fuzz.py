@@ -2,7 +2,7 @@
 
 - ``ci`` (the default): derandomized, so a run that passes proves the same as the last one and a
   failure is the change's own; no example database, so no state carries over between runs.
-- ``fuzz`` (``HYPOTHESIS_PROFILE=fuzz``, see README "Development"): random, 25 times the examples,
+- ``fuzz`` (``HYPOTHESIS_PROFILE=fuzz``, see docs/development.md): random, 25 times the examples,
   failures kept in ``.hypothesis/`` and printed with a ``@reproduce_failure`` blob. Whatever it
   finds is pinned with ``@example`` on the test, so CI checks it from then on.
 
