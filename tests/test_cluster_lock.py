@@ -399,7 +399,8 @@ def test_a_run_stopped_from_outside_ends_like_any_failure(
 
 
 def test_a_port_check_that_cannot_run_fails_the_step(prefect_api: str, lock_bed: TestBed) -> None:
-    """`ss` missing on the head: ports-free says it could not check, instead of "free"."""
+    """`ss` missing on the head: the run says it could not check, instead of "free"; preflight
+    reads the head's ports first (issue 50), so it fails there, before anything stops."""
     head = lock_bed.nodes[0]
     missing = head.bin_dir / "ss"
     missing.write_text('#!/bin/sh\necho "sh: 1: ss: not found" >&2\nexit 127\n')
@@ -412,7 +413,7 @@ def test_a_port_check_that_cannot_run_fails_the_step(prefect_api: str, lock_bed:
     assert state.is_failed()
     message = str(state.result(raise_on_failure=False))
     assert message.startswith(
-        f"ports-free: could not check the head's ports on {head.name}: `ss` exited with "
+        f"preflight: could not check the head's ports on {head.name}: `ss` exited with "
         "code 127 (sh: 1: ss: not found)"
     ), message
     assert all(not found for found in ours(lock_bed, "bed").values())

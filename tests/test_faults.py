@@ -789,13 +789,15 @@ def test_a_server_serving_another_model_is_not_ready(
     if where == "stale-server":
         row.fault = "a stale server on the API port serving another model"
         remove_ours(fault_bed)
+        head.systemctl("stop", image.OLD_STACK_UNIT)  # it serves the API port
         with StaleServer(head.ip, 30000, "old-model"):
             outcome = run_flow(fault_bed, deadlines={"gpu_release_s": 3})
         message = outcome.message
-        assert message.startswith("ports-free: ")
-        assert f"{HEAD}: the API port 30000 is in use by a process that is not ours" in message
-        took = outcome.detected_after(outcome.clock.at("ports-free", "running"))
-        row.detect = f"{took:.1f} s after ports-free began (grace 3 s)"
+        # Outside every container and unit the stop takes away: found before anything stops.
+        assert message.startswith(f"preflight: {HEAD}: {head.ip}:30000 (the API port) is held by")
+        assert "stop-autostart would leave it running" in message
+        assert not outcome.clock.reached("stop-autostart")
+        row.detect = f"{outcome.ended - outcome.started:.1f} s after the start, before any change"
     else:
         row.fault = "the server on the port lists another model name"
         outcome = run_flow(
