@@ -23,6 +23,7 @@ from vllm_redeploy.listeners import (
     cgroups_argv,
     collisions,
     kept_listeners,
+    owners,
     parse_cgroups,
     parse_ss,
     ss_argv,
@@ -62,8 +63,7 @@ def busy_ports(run: Run, plan: LaunchPlan) -> list[str]:
     ports = dict(plan.ports)
     found = look(run, {port: bind_address(run, port) for port in ports}, STEP)
     return [
-        f"{label} {port} is in use by a process that is not ours"
-        + "".join(x.owners() for x in found[port])
+        f"{label} {port} is in use by a process that is not ours{owners(found[port])}"
         for port, label in ports.items()
         if found[port]
     ]

@@ -17,6 +17,7 @@ from vllm_redeploy.listeners import (
     cgroups_argv,
     collisions,
     kept_listeners,
+    owners,
     parse_cgroups,
     parse_ss,
     ss_argv,
@@ -113,3 +114,12 @@ def test_a_process_outside_the_stop_is_refused_naming_where_it_runs() -> None:
     # Hidden by ss (another user's process, no sudo): judged by ports-free after the stop.
     hidden = Listener("127.0.0.1", 30000, ())
     assert kept_listeners({30000: [hidden]}, {}, unit, Others({}, {})) == []
+
+
+def test_a_process_on_ipv4_and_ipv6_is_named_once() -> None:
+    both = parse_ss(
+        'LISTEN 0 4096 0.0.0.0:30000 0.0.0.0:* users:(("python3",pid=7,fd=3))\n'
+        'LISTEN 0 4096 [::]:30000 [::]:* users:(("python3",pid=7,fd=4))\n'
+    )
+    assert owners(both) == ", python3 (PID 7)"
+    assert owners(parse_ss("LISTEN 0 4096 *:30000 *:*")) == ""

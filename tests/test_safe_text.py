@@ -19,7 +19,7 @@ from tasks.stop_autostart import StopReport
 from tests.fuzz import fuzz_settings
 from vllm_redeploy.config import ConfigError, load_config
 from vllm_redeploy.gpus import judge_gpus
-from vllm_redeploy.listeners import Others, Owner, Stopping, kept_listeners, parse_ss
+from vllm_redeploy.listeners import Others, Owner, Stopping, kept_listeners, owners, parse_ss
 from vllm_redeploy.nodes import CommandFailed, CommandResult, NodeUnreachable
 from vllm_redeploy.nodes.docker import DockerError
 from vllm_redeploy.probe import ProbeVerdict, judge
@@ -196,7 +196,7 @@ def test_reports_and_owners_show_names_safely(removed: list[str], names: list[st
     assert_one_safe_line(StopReport("node-1", (), (), tuple(removed), tuple(names)).summary())
     ss_lines = [f'LISTEN 0 4096 0.0.0.0:30000 0.0.0.0:* users:(("{n}",pid=7,fd=3))' for n in names]
     listeners = parse_ss("\n".join(ss_lines))
-    assert_one_safe_line("".join(x.owners() for x in listeners))
+    assert_one_safe_line(owners(listeners))
     owner = {7: Owner(unit=names[0] if names else None)}
     nobody = Stopping({}, frozenset())
     kept = kept_listeners({30000: listeners}, owner, nobody, Others({}, {}))

@@ -40,10 +40,14 @@ class Listener:
         on a listener there or on every address."""
         return bind in WILDCARD or self.address in (bind, *WILDCARD)
 
-    def owners(self) -> str:
-        """', python3 (PID 7)', or '' where ss shows no process."""
-        found = dict.fromkeys(f"{shown(name)} (PID {pid})" for name, pid in self.processes)
-        return f", {', '.join(found)}" if found else ""
+
+def owners(listeners: Iterable[Listener]) -> str:
+    """', python3 (PID 7)': each process once (one may listen on IPv4 and IPv6), or '' where
+    ss shows none."""
+    found = dict.fromkeys(
+        f"{shown(name)} (PID {pid})" for x in listeners for name, pid in x.processes
+    )
+    return f", {', '.join(found)}" if found else ""
 
 
 def parse_ss(stdout: str) -> list[Listener]:
