@@ -371,6 +371,10 @@ def test_verify_gives_equal_files_the_sources_times_so_the_next_sync_copies_noth
     again = cli("sync", "--model", "-c", str(path))
     assert again.returncode == 0 and "nothing to copy" in again.stdout, again.stdout
     assert same_files(own["node-1"], own["node-2"])
+    # And the nightly run, which compares by size and time, copies nothing either.
+    run: State = redeploy_vllm_cluster(str(path), return_state=True)
+    assert run.is_completed(), run.message
+    assert "sync" not in run.result()["steps"]
 
 
 REPO = "Qwen/Qwen3.5-122B-A10B-FP8"
