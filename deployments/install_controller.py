@@ -43,10 +43,11 @@ from typing import Any, Literal
 
 from dotenv import dotenv_values
 
+from deployments import service_ssh
 from vllm_redeploy.config.toml_text import toml_document
 
-SERVICE_USER = "vllm-redeploy"
-STATE_DIR = "/var/lib/vllm-redeploy"
+SERVICE_USER = service_ssh.SERVICE_USER
+STATE_DIR = service_ssh.HOME
 # The webhook's own user and state directory (its spool of accepted notices goes there).
 WEBHOOK_USER = "vllm-redeploy-webhook"
 WEBHOOK_STATE_DIR = "/var/lib/vllm-redeploy-webhook"
@@ -233,6 +234,16 @@ def _table(data: dict[str, Any], key: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def _cluster_data(toml: Path | None) -> dict[str, Any] | None:
+    """The cluster file to be installed (or the one installed), parsed; None when there is none."""
+    if toml is None or not toml.exists():
+        return None
+    try:
+        return tomllib.loads(toml.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise InstallError(f"{toml}: not valid TOML ({exc}); fix it or give --config") from None
+
+
 def _ids(root: Path, user: str = SERVICE_USER) -> tuple[int, int] | None:
     """``user``'s uid and gid in ``root``'s /etc/passwd, or None."""
     try:
@@ -289,6 +300,10 @@ def install_controller(
     root = Path(prefix)
     if hidden := _hidden_from_units(bin_dir):
         raise InstallError(hidden)
+    conf = root / CONF_DIR
+    data = _cluster_data(config_file or (conf / f"{cluster}.toml" if cluster else None))
+    if data is not None and (unseen := service_ssh.unseen(data)):
+        raise InstallError(unseen)
     bin_dir = bin_dir or default_bin_dir()
     lines = _warnings(root, bin_dir)
     lines += _ensure_user(root, prefix, run, SERVICE_USER, STATE_DIR, "vllm-redeploy services")
@@ -301,11 +316,11 @@ def install_controller(
         if ids is None:
             raise InstallError(f"user {user} is not in {root / 'etc/passwd'} after useradd")
         groups[user] = ids[1]
+    lines += service_ssh.make_dir(root, *(_ids(root) or (0, 0)))
     wanted = [
         Wanted(name, root / UNIT_DIR / name, text.encode(), 0o644, "root")
         for name, text in unit_files(bin_dir).items()
     ]
-    conf = root / CONF_DIR
     wanted.append(
         Wanted("prefect.env", conf / "prefect.env", prefect_env().encode(), 0o640, "group", True)
     )
@@ -324,6 +339,8 @@ def install_controller(
                 f"note: {cluster}.env sets no {WEBHOOK_SECRET_ENV}: the webhook refuses to start "
                 "until it does (set it there, then run install-controller again)"
             )
+        if data is not None:
+            lines += service_ssh.missing(root, data)
     units = [PREFECT_UNIT, *(cluster_units(cluster) if cluster else [])]
     if not enable:
         lines.append(
@@ -335,7 +352,6 @@ def install_controller(
     return lines
 
 
-HIDDEN = ("/home/", "/root/", "/run/user/")  # what ProtectHome=yes hides from the units
 INSTALL_RECIPE = (
     "sudo python3 -m venv /opt/vllm-redeploy/.venv && sudo /opt/vllm-redeploy/.venv/bin/pip "
     "install ./vllm-redeploy  (a checkout or wheel; not -e), then sudo "
@@ -353,7 +369,7 @@ def _hidden_from_units(bin_dir: str | None) -> str | None:
 
         found.append(("its code", str(Path(vllm_redeploy.__file__).resolve().parent)))
     for what, path in found:
-        if (path.rstrip("/") + "/").startswith(HIDDEN):
+        if (path.rstrip("/") + "/").startswith(service_ssh.HIDDEN):
             return (
                 f"install-controller: {what} ({path}) are under /home, /root or /run/user, which "
                 "the units hide (ProtectHome=yes): the services could not start, so nothing was "

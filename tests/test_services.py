@@ -36,7 +36,9 @@ from deployments.install_controller import (
     PREFECT_UNIT,
     SERVICE_USER,
     SOURCE_DIR,
+    STATE_DIR,
     WEBHOOK_USER,
+    InstallError,
     cluster_units,
     derived_env,
     install_controller,
@@ -146,6 +148,51 @@ def test_an_installation_the_units_cannot_see_is_refused_before_anything_is_writ
     assert list(root.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    ("line", "key", "why"),
+    [
+        ('key_file = "/home/nvidia/.ssh/id_ed25519"', "ssh.key_file", "(ProtectHome=yes)"),
+        ('known_hosts = "/root/.ssh/known_hosts"', "ssh.known_hosts", "(ProtectHome=yes)"),
+        ('known_hosts = "/tmp/keys/known_hosts"', "ssh.known_hosts", "(PrivateTmp=yes)"),
+        ('key_file = "keys/id_ed25519"', "ssh.key_file", "a directory the services do not run in"),
+    ],
+)
+def test_ssh_files_the_units_cannot_read_are_refused_before_anything_is_written(
+    tmp_path: Path, line: str, key: str, why: str
+) -> None:
+    """The flow the units run reads the key and known_hosts the file names: ProtectHome=yes and
+    PrivateTmp=yes hide what a person's shell sees."""
+    root = tmp_path / "root"
+    root.mkdir()
+    name = line.split(" ")[0]
+    text = re.sub(rf"^#? ?{name} = .*$", line, EXAMPLE.read_text(), count=1, flags=re.M)
+    assert line in text
+    config = tmp_path / "cluster.toml"
+    config.write_text(text)
+    cluster = tomllib.loads(text)["name"]
+    with pytest.raises(InstallError) as refused:
+        install_controller(str(root), cluster=cluster, config_file=config, bin_dir=str(BIN))
+    message = str(refused.value)
+    assert message.startswith(f"install-controller: {key} (")
+    assert why in message and "nothing was installed" in message
+    fix = "sudo install -d -m 0700 -o vllm-redeploy -g vllm-redeploy /var/lib/vllm-redeploy/.ssh"
+    assert fix in message
+    assert list(root.iterdir()) == []
+
+
+def test_the_cli_refuses_a_known_hosts_in_tmp_in_one_paragraph(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    config = tmp_path / "cluster.toml"
+    config.write_text(
+        EXAMPLE.read_text().replace('"~/.ssh/known_hosts"', f'"{tmp_path}/known_hosts"', 1)
+    )
+    done = CliRunner().invoke(app, ["install-controller", "--prefix", str(root), "-c", str(config)])
+    assert done.exit_code == 1, done.output
+    assert done.output.startswith(f"install-controller: ssh.known_hosts ({tmp_path}/known_hosts)")
+    assert "Traceback" not in done.output and list(root.iterdir()) == []
+
+
 def test_a_local_node_is_refused_for_the_units_naming_the_ssh_way(tmp_path: Path) -> None:
     """A controller on one of the Sparks, that Spark as transport = "local": the units' sandbox
     would fail its commands for the wrong reason."""
@@ -190,16 +237,31 @@ def test_install_controller_twice_changes_nothing(tmp_path: Path) -> None:
         f"note: {cluster}.env sets no VLLM_REDEPLOY_SECRETS__WEBHOOK_SECRET: the webhook refuses "
         "to start until it does (set it there, then run install-controller again)"
     )
+    # The example's key and known_hosts are the services' own (~ is their home): not there yet.
+    hosts = " ".join(n.address for n in load_config(EXAMPLE, env_file=None).nodes)
+    ssh_notes = [
+        "note: the services' SSH key /var/lib/vllm-redeploy/.ssh/id_ed25519 does not exist; make "
+        "it with sudo -u vllm-redeploy ssh-keygen -t ed25519 -N '' -f "
+        "/var/lib/vllm-redeploy/.ssh/id_ed25519 and add its .pub to ~/.ssh/authorized_keys of "
+        "each node's login",
+        "note: the services' known_hosts /var/lib/vllm-redeploy/.ssh/known_hosts does not exist, "
+        "so every node would be refused; check each node's fingerprint on its console, then: "
+        f"ssh-keyscan -t ed25519 {hosts} | sudo -u vllm-redeploy tee -a "
+        "/var/lib/vllm-redeploy/.ssh/known_hosts",
+    ]
     assert first == [
         *absent,  # in the image root: it has no venv
         f"user {SERVICE_USER}: created (system user, home /var/lib/vllm-redeploy)",
         f"user {WEBHOOK_USER}: created (system user, home /var/lib/vllm-redeploy-webhook)",
+        "/var/lib/vllm-redeploy/.ssh: made (0700, vllm-redeploy's: the services' SSH key and "
+        "known_hosts)",
         *(f"{unit}: written (new)" for unit in UNITS),
         "prefect.env: written (new)",
         f"{cluster}.env: written (new)",
         f"{cluster}.toml: written (new)",
         *(f"{name}: written (new)" for name in derived),
         no_secret,
+        *ssh_notes,
         *(f"{unit}: enabled" for unit in units),
     ]
     second = _cli(*args)
@@ -207,12 +269,14 @@ def test_install_controller_twice_changes_nothing(tmp_path: Path) -> None:
         *absent,
         f"user {SERVICE_USER}: unchanged",
         f"user {WEBHOOK_USER}: unchanged",
+        "/var/lib/vllm-redeploy/.ssh: unchanged",
         *(f"{unit}: unchanged" for unit in UNITS),
         "prefect.env: unchanged",
         f"{cluster}.env: unchanged",
         f"{cluster}.toml: unchanged",
         *(f"{name}: unchanged" for name in derived),
         no_secret,
+        *ssh_notes,
         *(f"{unit}: already enabled" for unit in units),
     ]
 
@@ -263,6 +327,7 @@ def test_install_controller_twice_changes_nothing(tmp_path: Path) -> None:
     assert [line for line in third[3:] if not line.endswith(("unchanged", "enabled"))] == [
         f"{cluster}.env: mode 644 -> 640",
         f"{cluster}.webhook.env: written (changed)",
+        *ssh_notes,
     ]
     assert (
         read_env(conf / f"{cluster}.webhook.env")["VLLM_REDEPLOY_SECRETS__WEBHOOK_SECRET"] == secret
@@ -362,9 +427,9 @@ def installed() -> Iterator[Installed]:
             for f in (line.split(":") for line in passwd)
             if f[0] in (SERVICE_USER, WEBHOOK_USER)
         }
-        # The state directory as systemd makes it (StateDirectoryMode=0700), the key in it.
+        # install-controller made the state directory (0700, as StateDirectoryMode= keeps it);
+        # the operator puts the key in it.
         state = root / "var/lib/vllm-redeploy/.ssh"
-        state.mkdir(parents=True)
         (state / "id_ed25519").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
         for path in (state.parent, state, state / "id_ed25519"):
             os.chown(path, *ids[SERVICE_USER])
@@ -590,18 +655,25 @@ def controller(bed: TestBed, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     work = tmp_path_factory.mktemp("controller")
     cluster = f"svc{uuid.uuid4().hex[:6]}"
     hook_port, api_port = free_port("127.0.0.1"), free_port("127.0.0.1")
+    # The services' key and known_hosts: the defaults, in their home (~ is theirs).
     cluster_toml = bed.write_config(
         work / f"{cluster}.toml",
         name=cluster,  # type: ignore[arg-type]
         webhook={"host": "127.0.0.1", "port": hook_port, "url": f"http://127.0.0.1:{hook_port}"},
+        ssh={"key_file": None, "known_hosts": "~/.ssh/known_hosts"},
     )
-    config = load_config(cluster_toml, env_file=None)
     node = bed.node(NODE)
     _remove_controller(node)
+    node.own_dir(Path(STATE_DIR))  # the bed's /var is the host's
+    node.run(["chown", "root:root", STATE_DIR])
+    # The operator's own way in: the bed's key, for the first run of the install only.
+    config = load_config(bed.write_config(work / "operator.toml"), env_file=None)
     runner = runner_for(config.nodes[0], config)
     try:
         with runner:
             install = runner.run(_install_command(cluster_toml), timeout=120).stdout.splitlines()
+            # What its notes ask for: the services' key (the bed's) and the nodes' host keys.
+            give_services_ssh(bed, node)
             # The operator's edits: the server's port (others share this machine's 4200), the
             # clusters' API address and the webhook's secret.
             _append(
@@ -635,6 +707,17 @@ def controller(bed: TestBed, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             yield Controller(node, runner, cluster, cluster_toml, api, auth, hook, secret, install)
     finally:
         _remove_controller(node)
+        node.run(["find", STATE_DIR, "-mindepth", "1", "-delete"])  # the node's own, mounted
+
+
+def give_services_ssh(bed: TestBed, node: EmulatedNode) -> None:
+    """The key the nodes authorize and their host keys, where install-controller's notes say:
+    the services' ~/.ssh (made by it), theirs and 0600."""
+    ssh = f"{STATE_DIR}/.ssh"
+    for name, source in (("id_ed25519", bed.client_key), ("known_hosts", bed.known_hosts)):
+        owner = ["-o", SERVICE_USER, "-g", SERVICE_USER]
+        done = node.run(["install", "-m", "0600", *owner, str(source), f"{ssh}/{name}"])
+        assert done.returncode == 0, done.stderr
 
 
 def _answers(url: str) -> bool:

@@ -204,5 +204,5 @@ def install_controller_command(
         where = f"{exc.filename}: " if exc.filename else ""
         err.print(f"install-controller: {where}{for_terminal(exc.strerror or exc)}", markup=False)
         raise typer.Exit(1) from None
-    for line in lines:
-        out.print(for_terminal(line), markup=False, highlight=False)
+    for line in lines:  # one line each, however wide: the commands in them are copied as they are
+        out.print(for_terminal(line), markup=False, highlight=False, soft_wrap=True)

@@ -374,7 +374,8 @@ class TestBed:
 
     def write_config(self, path: Path | None = None, **changes: dict[str, Any]) -> Path:
         """Write cluster.toml (or ``path``); ``changes`` are merged into the sections by key,
-        e.g. ``vllm={"env": {...}}`` or ``nodes={"node-2": {"fabric_ip": ...}}``."""
+        e.g. ``vllm={"env": {...}}`` or ``nodes={"node-2": {"fabric_ip": ...}}``; a key given
+        None is left out (its default then)."""
         data = self.settings()
         for section, values in changes.items():
             if section == "nodes":
@@ -384,6 +385,8 @@ class TestBed:
                 for key, value in values.items():
                     if isinstance(value, dict) and isinstance(data[section].get(key), dict):
                         data[section][key] = {**data[section][key], **value}
+                    elif value is None:
+                        data[section].pop(key, None)
                     else:
                         data[section][key] = value
             else:
