@@ -68,16 +68,21 @@ def unseen(data: dict[str, Any]) -> str | None:
 
 
 def make_dir(root: Path, uid: int, gid: int) -> list[str]:
-    """The services' home and its .ssh (0700, theirs), where the operator puts the files."""
-    made = []
+    """The services' home and its .ssh, theirs and 0700 (as systemd's StateDirectory= keeps the
+    home): where the operator puts the files, and where runs by hand as that user keep state."""
+    how = "unchanged"
     for path in (root / HOME.lstrip("/"), root / SSH_DIR.lstrip("/")):
         if not path.is_dir():
             path.mkdir(mode=0o700, parents=True)
+            how = "made"
+        stat = path.stat()
+        if (stat.st_uid, stat.st_gid, stat.st_mode & 0o777) != (uid, gid, 0o700):
             os.chown(path, uid, gid)
-            made.append(path)
-    if made:
-        return [f"{SSH_DIR}: made (0700, {SERVICE_USER}'s: the services' SSH key and known_hosts)"]
-    return [f"{SSH_DIR}: unchanged"]
+            path.chmod(0o700)
+            how = "made" if how == "made" else "repaired"
+    if how == "unchanged":
+        return [f"{SSH_DIR}: unchanged"]
+    return [f"{SSH_DIR}: {how} (0700, {SERVICE_USER}'s: the services' SSH key and known_hosts)"]
 
 
 def missing(root: Path, data: dict[str, Any]) -> list[str]:

@@ -5,6 +5,9 @@ deployments and read the cluster's standing from Prefect. Each command module re
 commands on the one Typer app (common.py) when imported.
 """
 
+import os
+from pathlib import Path
+
 from deployments.cli import (
     cluster_commands,
     controller_commands,
@@ -26,4 +29,15 @@ __all__ = [
 
 
 def main() -> None:
+    _leave_a_directory_it_cannot_search()
     app()
+
+
+def _leave_a_directory_it_cannot_search() -> None:
+    """Run from a directory this user may not search (the services' user, `sudo -u`, in a
+    person's home): Prefect's settings and ours look for a .env there and would fail on the
+    permission. Nothing relative can be read from there anyway: work from the user's home."""
+    if os.access(os.curdir, os.X_OK):
+        return
+    home = Path.home()
+    os.chdir(home if os.access(home, os.X_OK) else "/")

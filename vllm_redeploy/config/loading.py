@@ -59,7 +59,11 @@ def load_config(
     cluster's own (:func:`cluster_env_file`) is always read and wins over it."""
     path = Path(path) if path is not None else DEFAULT_CONFIG
     text, data = _read_toml(path)
-    env_files = tuple(Path(f) for f in (env_file, cluster_env_file(path)) if f is not None)
+    # A shared .env in a directory this user may not search (a person's home, for the
+    # services' user running a command there) is not this user's: left out, as a missing one.
+    shared = [Path(env_file)] if env_file is not None else []
+    readable = [f for f in shared if _exists(f) is not None]
+    env_files = (*readable, cluster_env_file(path))
     sources = Sources(path, text, data, env_files)
     mistakes = toml_type_mistakes(data)
     problems = sources.unknown_variable_problems()
@@ -184,11 +188,21 @@ def installed_clusters() -> list[str]:
         return []
 
 
+def _exists(path: Path) -> bool | None:
+    """Whether ``path`` exists; None when that cannot be told (a directory on the way that this
+    user may not search): reading it then says why."""
+    try:
+        return path.exists()
+    except OSError:
+        return None
+
+
 def resolve_config(path: Path) -> Path:
     """What ``--config`` names: a file; else the name of an installed cluster (its
     ``<name>.toml`` there, read with its ``<name>.env``); and, when the default ./cluster.toml is
-    not there, the one cluster installed on this machine."""
-    if path.exists():
+    not there, the one cluster installed on this machine. A name is looked up there too when
+    the working directory cannot be read (a person's home, for the services' user)."""
+    if _exists(path):
         return path
     text = str(path)
     if "/" not in text and not text.endswith(".toml"):
@@ -203,7 +217,7 @@ def resolve_config(path: Path) -> Path:
 
 def _read_toml(path: Path) -> tuple[str, dict[str, Any]]:
     """The file's text and its data."""
-    if not path.exists():
+    if _exists(path) is False:
         installed = installed_clusters()
         here = f" (installed here: {', '.join(installed)})" if installed else ""
         raise ConfigError(
