@@ -141,6 +141,21 @@ def test_each_backend_digests_only_what_it_reads(backend: str, changes: str, kep
     assert launch_fingerprint(moved(kept), backend) == launch_fingerprint(before, backend)
 
 
+# The example's launch fingerprints, as running groups carry them: a change that moves either
+# makes the next `ensure` redeploy every running group of that backend. Change them only with a
+# change of what is launched, and say so.
+PINNED = {"ray": "b36478a5b0fb92d4", "mp": "1f709343dfe721ff"}
+
+
+@pytest.mark.parametrize("backend", sorted(PINNED))
+def test_the_examples_launch_fingerprints_do_not_move(backend: str) -> None:
+    config = example()
+    assert launch_fingerprint(config, backend) == PINNED[backend]
+    rdma = NodeFabric(rdma=True, ib_hca="rocep1s0f1", socket_ifnames=("enp1s0f1np1",))
+    fabric = {node.name: rdma for node in config.nodes}  # the digest is the settings' alone
+    assert plan_for(backend, config, fabric, "why").fingerprint == PINNED[backend]
+
+
 def test_an_mp_group_stamped_before_is_told_apart_from_changed_settings() -> None:
     """Groups started while every digest took Ray's specs: ensure redeploys an mp one once,
     saying so; a Ray one is recognised as it was."""
