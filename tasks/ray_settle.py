@@ -21,8 +21,8 @@ from vllm_redeploy.launch.ray import (
     ray_container,
     ray_members_argv,
 )
+from vllm_redeploy.launch.ray_log import wait_ray_started
 from vllm_redeploy.nodes import CommandError
-from vllm_redeploy.ray_log import wait_ray_started
 from vllm_redeploy.safe_text import block, one_line
 
 STEP = "cluster-check"

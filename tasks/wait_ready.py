@@ -30,6 +30,7 @@ from vllm_redeploy.endpoint import (
     refused_key,
 )
 from vllm_redeploy.launch.plan import LaunchPlan, Member
+from vllm_redeploy.launch.rendezvous import follower_joined
 from vllm_redeploy.names import artifact_key
 from vllm_redeploy.nodes import NodeDocker, RemoteError, fan_out
 from vllm_redeploy.parsers.vllm_log import (
@@ -39,7 +40,6 @@ from vllm_redeploy.parsers.vllm_log import (
     last_load_progress,
     tail_for_people,
 )
-from vllm_redeploy.rendezvous import follower_joined
 from vllm_redeploy.safe_text import block, shown
 from vllm_redeploy.summary import StepEvent, report
 
@@ -215,7 +215,7 @@ def _on(members: list[Member], node: str) -> Member:
 @dataclass
 class Rendezvous:
     """A group that meets at a rendezvous (mp): which members have joined the API member's
-    rendezvous port, asked inside each one's container (vllm_redeploy.rendezvous: the
+    rendezvous port, asked inside each one's container (vllm_redeploy.launch.rendezvous: the
     connection seen from its side)."""
 
     plan: LaunchPlan
