@@ -52,6 +52,7 @@ from tasks.ports_free import wait_ports_free
 from tasks.preflight import (
     NodeFacts,
     judge_preflight,
+    launch_plan,
     preflight_node,
     preflight_problems,
     revision_notes,
@@ -71,6 +72,7 @@ from vllm_redeploy.config import CONFIG_VARIABLE, ConfigError, load_config
 from vllm_redeploy.endpoint import api_base
 from vllm_redeploy.events import failed_event, ready_event
 from vllm_redeploy.launch.caches import cache_owner, compile_cache_words
+from vllm_redeploy.launch.choose import backend_problem
 from vllm_redeploy.names import artifact_key
 from vllm_redeploy.nodes import RemoteError
 from vllm_redeploy.safe_text import one_line, shown
@@ -186,6 +188,8 @@ def redeploy_vllm_cluster(
     named = _config_file(config_path)
     try:
         config = load_config(named)
+        if problem := backend_problem(config):  # the launch backends' registry, not config's
+            raise ConfigError(str(named), [problem])
     except ConfigError as exc:
         reason = f"{shown(exc.source)} cannot be used: {'; '.join(exc.problems)}"
         log().error("failed at config: %s", reason)
@@ -271,7 +275,8 @@ def _runbook(run: Run, mode: Mode, step: Steps) -> None:
     facts = step("preflight", per_node, preflight_node, run, nodes)
     facts = _sync(run, step, facts)
     summary.image_id = next((f.image_id for f in facts if f.image_id), None)
-    plan = judge_preflight(run, facts)
+    plan = launch_plan(run, facts)
+    judge_preflight(run, facts, plan)
     summary.backend = plan.reason
     summary.notes += [note for f in facts for note in f.notes] + revision_notes(facts)
     if len(nodes) > 1:

@@ -1,7 +1,8 @@
 """What the launch needs to know of the image: its ENTRYPOINT (kept when it runs its arguments),
-where `ray` is when Ray runs in it, and its user (who must own the compile cache). Asked on one
-node (the IDs must match everywhere), by a container that is created and never started (the
-entrypoint script is read from it) and one that runs `ray --version`: about two seconds, for
+each backend's answer to its own question (Ray's: where `ray` is when Ray runs in it), and its
+user (who must own the compile cache). Asked on one node (the IDs must match everywhere), by a
+container that is created and never started (the entrypoint script is read from it) and one
+one-shot container per backend that asks (Ray's runs `ray --version`): about two seconds, for
 answers that cannot change while the image's ID stays the same. So they are cached by that ID
 across runs."""
 
@@ -18,10 +19,11 @@ from prefect.context import TaskRunContext
 
 from tasks.context import RETRY_TRANSIENT, Run, StepFailed
 from vllm_redeploy.launch import ImageEntrypoint
-from vllm_redeploy.launch.ray import ray_check_spec
+from vllm_redeploy.launch.backend import Backend
+from vllm_redeploy.launch.choose import BACKENDS
 
 STEP = "preflight"
-RAY_CHECK_TIMEOUT_S = 60.0
+QUESTION_TIMEOUT_S = 60.0
 KEPT_FOR = timedelta(days=30)
 
 
@@ -29,16 +31,22 @@ KEPT_FOR = timedelta(days=30)
 class ImageFacts:
     image_id: str
     entrypoint: ImageEntrypoint
-    ray_path: str | None  # where `ray` is in the image; None when Ray does not run there
+    # Each backend's answer, by name (Ray's: where `ray` is, None when Ray does not run there);
+    # a backend that asks the image nothing has none.
+    answers: dict[str, str | None]
     user: str = ""  # the image's USER; "" is root
 
 
 def image_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
-    """The image's ID and the mounts its containers get (a mount can bring a runtime)."""
-    mounts = json.dumps(sorted(parameters["run"].config.vllm.volumes))
+    """The image's ID, the mounts its containers get (a mount can bring a runtime) and the
+    backends that ask it (one registered later has no answer in an older result)."""
+    config = parameters["run"].config
+    asking = sorted(b.name for b in BACKENDS.values() if b.question(config))
+    mounts = json.dumps([sorted(config.vllm.volumes), asking])
     digest = hashlib.sha256(mounts.encode()).hexdigest()[:12]
-    # v2: the facts gained the image's user (a v1 result would lack it).
-    return f"image-facts-v2-{parameters['image_id']}-{digest}"
+    # v2: the facts gained the image's user; v3: each backend's answer instead of Ray's path
+    # (an older result would lack them).
+    return f"image-facts-v3-{parameters['image_id']}-{digest}"
 
 
 # Cached by image ID for KEPT_FOR, persisted so that every later run (another process, the
@@ -54,25 +62,24 @@ def image_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     **RETRY_TRANSIENT,
 )
 def image_facts(run: Run, node: str, image_id: str) -> ImageFacts:
-    """Read the image's ENTRYPOINT, then ask whether Ray runs in it, on ``node``."""
+    """Read the image's ENTRYPOINT, then ask it each backend's question, on ``node``."""
     docker = run.node(node).docker
     argv, script = docker.image_entrypoint(run.config.vllm.image)
     user = docker.image_user(run.config.vllm.image)
-    return ImageFacts(image_id, ImageEntrypoint.of(argv, script), _ray_in_image(run, node), user)
+    answers = {b.name: _asked(run, node, b) for b in BACKENDS.values() if b.question(run.config)}
+    return ImageFacts(image_id, ImageEntrypoint.of(argv, script), answers, user)
 
 
-def _ray_in_image(run: Run, node: str) -> str | None:
-    """Where `ray` is in the image when Ray runs there, else None."""
-    image = run.config.vllm.image
-    code, output = run.node(node).docker.run_to_completion(
-        ray_check_spec(run.config), RAY_CHECK_TIMEOUT_S
-    )
-    if code is None:  # no answer is not "no Ray": fail rather than remember it for a month
+def _asked(run: Run, node: str, backend: Backend) -> str | None:
+    """The backend's answer from a one-shot container of the image on ``node``."""
+    spec = backend.question(run.config)
+    assert spec is not None
+    code, output = run.node(node).docker.run_to_completion(spec, QUESTION_TIMEOUT_S)
+    if code is None:  # no answer is not "no": fail rather than remember it for a month
         raise StepFailed(
             STEP,
-            f"the check for Ray in image {image} on {node} did not end within "
-            f"{RAY_CHECK_TIMEOUT_S:g} s (Docker slow to start a container, or the image hangs "
-            "at start); run again",
+            f"the check for {backend.name} in image {run.config.vllm.image} on {node} did not "
+            f"end within {QUESTION_TIMEOUT_S:g} s (Docker slow to start a container, or the "
+            "image hangs at start); run again",
         )
-    lines = output.strip().splitlines()
-    return lines[0] if code == 0 and lines else None
+    return backend.answer(code, output)

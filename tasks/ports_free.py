@@ -102,7 +102,7 @@ def bind_address(run: Run, port: int) -> str:
 def held_ports(run: Run) -> tuple[Kept, ...]:
     """Preflight's reading, before anything stops: the listeners on the head's possible ports
     (the API's, Ray's, the rendezvous') that stop-autostart would leave running, where the
-    group must bind. ``judge_preflight`` keeps those of the plan's ports."""
+    group must bind. ``judge_preflight`` judges those of the plan's ports."""
     config = run.config
     ports = (config.vllm.port, config.ray.port, config.vllm.master_port)
     found = look(run, {port: bind_address(run, port) for port in ports}, "preflight")

@@ -2,14 +2,16 @@
 the model directory and its weights, Ray in the image, each node's fabric IP and fabric (its
 interfaces, RDMA HCAs and devices; the configured interface and HCA names against them; the
 same RoCE MTU on every node), and on the head who holds the ports the group binds.
-``judge_preflight`` then picks the launch backend and builds the launch plan from what was found,
-refusing a port holder that stop-autostart would leave running."""
+``launch_plan`` then picks the launch backend and builds the plan from what was found, and
+``judge_preflight`` fails naming every problem, and a holder of the plan's ports that
+stop-autostart would leave running."""
 
 from __future__ import annotations
 
 import contextvars
 import shlex
 import time
+from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -49,16 +51,17 @@ STEP = "preflight"
 REACH_POLL_S = 2.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NodeFacts:
     node: str
     docker_version: str
     image_id: str | None
     model_present: bool
-    ray_path: str | None  # where `ray` is in the image; None when Ray does not run there
     waited_s: float
     fabric_ip_local: bool = True
-    ray_checked: bool = True  # the image was checked for Ray on this node (the head only)
+    # The backends' answers from the image (launch.choose), when the choice needs them: asked
+    # on the head only; None where the image was not asked.
+    image_answers: Mapping[str, str | None] | None = None
     fabric: FabricFacts | None = None
     weights_bytes: int | None = None  # the model directory's safetensors, in all
     entrypoint: ImageEntrypoint | None = None  # the image's (read on the head only)
@@ -166,25 +169,23 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
     manifest = parse_manifest(files.stdout, files.exit_code or 0)
     gpu_problem = _gpu_problem(name, gpus)
     facts = image.result() if image else None
-    asked = facts is not None and asks_the_image(config)
     return NodeFacts(
-        name,
-        version,
-        image_id,
-        manifest.present,
-        facts.ray_path if asked and facts else None,
-        waited,
-        local,
-        asked,
-        fabric,
-        manifest.weights_bytes if manifest.present else None,
-        facts.entrypoint if facts else None,
-        facts.user if facts else None,
-        manifest,
-        root.result(),
-        gpu_problem,
-        () if gpu_problem else tuple(nvidia_smi.warnings(gpus.stdout)),
-        held.result() if held else (),
+        node=name,
+        docker_version=version,
+        image_id=image_id,
+        model_present=manifest.present,
+        waited_s=waited,
+        fabric_ip_local=local,
+        image_answers=facts.answers if facts and asks_the_image(config) else None,
+        fabric=fabric,
+        weights_bytes=manifest.weights_bytes if manifest.present else None,
+        entrypoint=facts.entrypoint if facts else None,
+        image_user=facts.user if facts else None,
+        model=manifest,
+        root_problem=root.result(),
+        gpu_problem=gpu_problem,
+        gpu_warnings=() if gpu_problem else tuple(nvidia_smi.warnings(gpus.stdout)),
+        held=held.result() if held else (),
     )
 
 
@@ -244,7 +245,11 @@ def preflight_problems(
                 f"{f.node}: image {config.vllm.image} is not on the node (docker pull it there, "
                 'docker save | docker load from another node, or set [sync] image = "auto")'
             )
-        elif f.ray_checked and not copied and (refused := refusal(config, f.ray_path)):
+        elif (
+            f.image_answers is not None
+            and not copied
+            and (refused := refusal(config, f.image_answers))
+        ):
             problems.append(f"{f.node}: {refused}")
         if f.fabric is not None and not f.fabric.rdma_checked:
             problems.append(f"{f.node}: {'; '.join(f.fabric.problems())}")
@@ -313,26 +318,29 @@ def _roce_ports(run: Run, facts: NodeFacts) -> tuple[Port, ...]:
     return roce_ports(facts.node, facts.fabric, node.fabric_interfaces, node.ib_hcas)
 
 
-def judge_preflight(run: Run, facts: list[NodeFacts]) -> LaunchPlan:
-    """Fail naming every node that is not ready to take the deployment; else the launch plan,
-    with the backend chosen from what the image holds (``[vllm] backend``)."""
+def launch_plan(run: Run, facts: list[NodeFacts]) -> LaunchPlan:
+    """The launch plan for what preflight found: the backend chosen from the image's answers
+    (``[vllm] backend``), each node's fabric, the image's ENTRYPOINT."""
     config = run.config
-    problems = preflight_problems(run, facts)
-    if problems:
-        raise StepFailed(STEP, "; ".join(problems))
-    log().info("preflight ok: %s", ", ".join(f"{f.node} docker {f.docker_version}" for f in facts))
+    head = next(f for f in facts if f.node == config.head.name)
     fabric = {
         f.node: NodeFabric.of(f.fabric, run.node_config(f.node), config)
         for f in facts
         if f.fabric is not None
     }
-    ray_path = next(f.ray_path for f in facts if f.node == config.head.name)
-    backend, why = choose(config, ray_path)
-    entrypoint = next(f.entrypoint for f in facts if f.node == config.head.name)
-    plan = plan_for(backend, config, fabric, why, entrypoint)
+    backend, why = choose(config, head.image_answers or {})
+    return plan_for(backend, config, fabric, why, head.entrypoint)
+
+
+def judge_preflight(run: Run, facts: list[NodeFacts], plan: LaunchPlan) -> None:
+    """Fail naming every node that is not ready to take the deployment, and a holder of the
+    plan's ports that stop-autostart would leave running."""
+    problems = preflight_problems(run, facts)
+    if problems:
+        raise StepFailed(STEP, "; ".join(problems))
+    log().info("preflight ok: %s", ", ".join(f"{f.node} docker {f.docker_version}" for f in facts))
     if held := held_words(run, plan, facts):
         raise StepFailed(STEP, held)
     log().info("launch backend: %s", plan.reason)
-    if entrypoint is not None:
-        log().info("entrypoint: %s", entrypoint.why())
-    return plan
+    if plan.entrypoint is not None:
+        log().info("entrypoint: %s", plan.entrypoint.why())

@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 
-import tasks.preflight
 from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import keep_for_notes, make_bed
 from tests.testbed import image
@@ -29,7 +28,7 @@ from vllm_redeploy.config import ClusterConfig, load_config
 from vllm_redeploy.dry_run import launch_lines
 from vllm_redeploy.launch import LaunchPlan, NodeFabric, Phase, plan_for
 from vllm_redeploy.launch import mp as mp_launch
-from vllm_redeploy.launch.choose import BACKENDS
+from vllm_redeploy.launch.choose import BACKENDS, register
 from vllm_redeploy.launch.group import LABEL_BACKEND
 from vllm_redeploy.nodes.containers import LABEL_MANAGED
 from vllm_redeploy.status import collect_status
@@ -271,27 +270,42 @@ def test_a_frozen_follower_hangs_the_group_and_status_says_so(mp_bed: TestBed) -
     assert "generation stuck: the engine hangs" in text and "probe not sent" in text, text
 
 
-def together_plan(
-    config: ClusterConfig, fabric: Mapping[str, NodeFabric] | None = None, reason: str = ""
-) -> LaunchPlan:
-    """A toy third backend: vLLM's own launcher with every rank started in one step."""
-    base = mp_launch.plan(config, fabric, reason)
-    members = tuple(
-        replace(m, phase=0, spec=replace(m.spec, labels={**m.spec.labels, LABEL_BACKEND: "all"}))
-        for m in base.members
-    )
-    return replace(base, backend="all", phases=(Phase("launch-group"),), members=members)
+class Together(mp_launch.MpBackend):
+    """A toy third backend: vLLM's own launcher with every rank started in one step. A real
+    one is its own object of launch/backend.py's shape, given to ``register``."""
+
+    name = "all"
+    words = "toy"
+
+    def plan(
+        self, config: ClusterConfig, fabric: Mapping[str, NodeFabric] | None, reason: str
+    ) -> LaunchPlan:
+        base = mp_launch.plan(config, fabric, reason)
+        labels = {LABEL_BACKEND: self.name}
+        members = tuple(
+            replace(m, phase=0, spec=replace(m.spec, labels={**m.spec.labels, **labels}))
+            for m in base.members
+        )
+        return replace(base, backend=self.name, phases=(Phase("launch-group"),), members=members)
 
 
-def test_a_third_backend_is_a_plan_and_a_line_in_choose(
-    mp_bed: TestBed, monkeypatch: pytest.MonkeyPatch
+@pytest.fixture
+def together() -> Iterator[Together]:
+    """Registered for the test, then gone again (other tests' choices stay as they were)."""
+    backend = register(Together())
+    try:
+        yield backend
+    finally:
+        BACKENDS.pop(backend.name)
+
+
+def test_a_third_backend_is_an_object_given_to_register(
+    mp_bed: TestBed, together: Together
 ) -> None:
-    """Registered in BACKENDS and chosen (the config's `backend` would name it), a plan nobody
-    else knows is launched by the flow, watched by wait-ready, judged by status and ensure and
-    printed by the dry run: none of them asks which backend it is."""
-    monkeypatch.setitem(BACKENDS, "all", together_plan)
-    monkeypatch.setattr(tasks.preflight, "choose", lambda config, ray_path: ("all", "all (toy)"))
-    path = cluster(mp_bed, 2, "together")
+    """Registered and named by the configuration, a plan nobody else knows is launched by the
+    flow, watched by wait-ready, judged by status and ensure and printed by the dry run: none
+    of them asks which backend it is."""
+    path = cluster(mp_bed, 2, "together", vllm={"backend": together.name})
     state = redeploy_vllm_cluster(str(path), return_state=True)
     assert state.is_completed(), state.result(raise_on_failure=False)
     result = state.result()
@@ -302,7 +316,7 @@ def test_a_third_backend_is_a_plan_and_a_line_in_choose(
         "transport",
         "probe",
     ]
-    assert "- backend all (toy)" in result["summary"]
+    assert "- backend all (configured; toy)" in result["summary"]
     with contextlib.closing(mp_bed.nodes[1].engine.client()) as client:
         assert client.containers.get("vllm-redeploy-bed-follower").labels[LABEL_BACKEND] == "all"
     config = load_config(path, env_file=None)
@@ -312,5 +326,5 @@ def test_a_third_backend_is_a_plan_and_a_line_in_choose(
         client.containers.get("vllm-redeploy-bed-follower").kill()
     problems = collect_status(config).problems
     assert "the vLLM follower on node-2 is not running" in problems, problems
-    lines = launch_lines(config, plan_for("all", config, why="all (toy)"))
-    assert lines[:2] == ["\n[launch] backend all (toy)", "  step launch-group"], lines
+    lines = launch_lines(config, plan_for("all", config, why="all (configured; toy)"))
+    assert lines[:2] == ["\n[launch] backend all (configured; toy)", "  step launch-group"], lines

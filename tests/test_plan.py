@@ -9,6 +9,13 @@ import pytest
 
 from vllm_redeploy.config import ClusterConfig, load_config
 from vllm_redeploy.launch import launch_fingerprint, plan_for
+from vllm_redeploy.launch.choose import (
+    asks_the_image,
+    backend_problem,
+    candidates,
+    choose,
+    refusal,
+)
 from vllm_redeploy.launch.fingerprint import launch_changed, ray_era_fingerprint
 from vllm_redeploy.launch.group import NodeFabric, container_argv
 from vllm_redeploy.launch.ray import engine_spec, parse_members, ray_spec, vllm_serve_args
@@ -184,3 +191,46 @@ def test_load_progress_from_vllm_log_lines() -> None:
         40,
     )
     assert last_load_progress("INFO starting") is None
+
+
+def with_backend(name: str) -> ClusterConfig:
+    config = example()
+    return config.model_copy(update={"vllm": config.vllm.model_copy(update={"backend": name})})
+
+
+def test_auto_takes_ray_where_the_image_carries_it_and_mp_elsewhere() -> None:
+    auto = with_backend("auto")
+    assert asks_the_image(auto) and not asks_the_image(with_backend("mp"))
+    assert choose(auto, {"ray": "/usr/local/bin/ray"}) == (
+        "ray",
+        "ray (the image carries Ray at /usr/local/bin/ray)",
+    )
+    no_ray = ("mp", "mp (the image carries no Ray; vLLM's own multi-node launcher)")
+    assert choose(auto, {"ray": None}) == no_ray and choose(auto, {}) == no_ray
+    assert candidates(auto) == [
+        ("ray", "ray (if the image carries Ray)"),
+        ("mp", "mp (if the image carries no Ray; vLLM's own multi-node launcher)"),
+    ]
+    assert choose(with_backend("mp"), {}) == (
+        "mp",
+        "mp (configured; vLLM's own multi-node launcher)",
+    )
+
+
+def test_each_backend_refuses_an_image_it_cannot_run_on() -> None:
+    ray_only = with_backend("ray")
+    assert refusal(ray_only, {"ray": "/usr/bin/ray"}) is None
+    refused = refusal(ray_only, {"ray": None})
+    assert refused is not None and refused.startswith("`ray` does not run in image")
+    assert 'set backend = "mp"' in refused
+    assert refusal(with_backend("mp"), {}) is None and refusal(with_backend("auto"), {}) is None
+
+
+def test_a_name_the_registry_does_not_hold_is_a_configuration_problem() -> None:
+    assert backend_problem(with_backend("mp")) is None
+    unknown = with_backend("torchrun")
+    assert backend_problem(unknown) == (
+        "vllm.backend: Input should be 'auto', 'ray' or 'mp' (got 'torchrun')"
+    )
+    with pytest.raises(ValueError, match="got 'torchrun'"):
+        choose(unknown, {})

@@ -283,7 +283,11 @@ def test_unlike_revisions_are_noted_when_nothing_aligns_them(tmp_path: Path) -> 
     behind = hf_cache.write_snapshot(tmp_path / "node-2", REPO, {"config.json": b"[]\n"})
 
     def facts(node: str) -> NodeFacts:
-        return NodeFacts(node, "29.0", ID_A, True, None, 0.0, model=hf_listing(tmp_path / node))
+        listing = hf_listing(tmp_path / node)
+        return NodeFacts(
+            node=node, docker_version="29.0", image_id=ID_A, model_present=True, waited_s=0.0,
+            model=listing,
+        )  # fmt: skip
 
     assert revision_notes([facts("node-1"), facts("node-1")]) == []
     assert revision_notes([facts("node-1"), facts("node-2")]) == [

@@ -21,6 +21,7 @@ from vllm_redeploy.config import (
     resolve_config,
 )
 from vllm_redeploy.config.runs import DEFAULT_NIGHTLY
+from vllm_redeploy.launch.choose import backend_problem
 from vllm_redeploy.safe_text import for_terminal, shown
 
 EXIT_CONFIG = 2  # bad input, like argparse and click
@@ -102,6 +103,8 @@ def load_all_or_exit(paths: list[Path]) -> list[ClusterConfig]:
     try:
         clusters = load_clusters(paths) if len(paths) > 1 else [load_config(paths[0])]
         for cluster, path in zip(clusters, paths, strict=False):
+            if problem := backend_problem(cluster):
+                raise ConfigError(str(path), [problem])
             if cluster.schedule.nightly not in ("off", DEFAULT_NIGHTLY):
                 from deployments.definitions import schedule_problem
 

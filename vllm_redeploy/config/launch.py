@@ -147,7 +147,9 @@ class VLLMConfig(Section):
         "0.0.0.0",  # noqa: S104 - the API serves the network
         description="API bind address.",
     )
-    backend: Literal["auto", "ray", "mp"] = Field(
+    # A name from the launch backends' registry (vllm_redeploy.launch.choose, which this floor
+    # does not import): checked against it where the configuration is loaded for use.
+    backend: Name = Field(
         "auto",
         description="How the ranks on several nodes find each other: ray (a Ray cluster, the "
         "image must carry Ray), mp (vLLM's own --nnodes launcher, no Ray needed), or auto: ray "

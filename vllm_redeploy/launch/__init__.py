@@ -1,6 +1,6 @@
-"""How the group is launched: one ``LaunchPlan`` shape (plan.py), what every backend's
-containers share (group.py), the backends (ray.py, mp.py), and the one rule that picks one
-(choose.py)."""
+"""How the group is launched: one ``LaunchPlan`` shape (plan.py), what a backend is
+(backend.py), what every backend's containers share (group.py), the backends (ray.py, mp.py),
+and their registry with the one rule that picks one (choose.py)."""
 
 from vllm_redeploy.launch.choose import (
     asks_the_image,

@@ -1,74 +1,112 @@
-"""The one rule for which backend launches the group, and the registry of backends.
+"""The registry of backends and the one rule that picks one.
 
-``[vllm] backend`` names one, or ``auto``: Ray when Ray runs in the image (a one-shot
-container on the head tells preflight), else vLLM's own launcher. A new backend is a module
-with a ``plan(config, fabric, reason)`` function and one line in ``BACKENDS``.
+``[vllm] backend`` names one, or ``auto``: the first backend, in the registry's order, that
+runs on the image (each asks the image its own question: Ray's, a one-shot container on the
+head, whether `ray` runs there), so Ray where the image carries it, else vLLM's own launcher.
+A new backend is an object of launch/backend.py's shape, given to :func:`register`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.launch import mp, ray
+from vllm_redeploy.launch.backend import Backend
 from vllm_redeploy.launch.entrypoint import ImageEntrypoint
 from vllm_redeploy.launch.fingerprint import plan_fingerprint
 from vllm_redeploy.launch.group import NodeFabric
 from vllm_redeploy.launch.plan import LaunchPlan
 
-PlanBuilder = Callable[[ClusterConfig, Mapping[str, NodeFabric] | None, str], LaunchPlan]
-BACKENDS: dict[str, PlanBuilder] = {
-    ray.BACKEND: ray.plan,
-    mp.BACKEND: mp.plan,
-}
-# What each backend is, for people, after its name.
-WHAT = {mp.BACKEND: "vLLM's own multi-node launcher"}
 AUTO = "auto"
+# In auto's order: the first that runs on the image is taken. One that asks nothing runs on
+# any image, so it comes last.
+BACKENDS: dict[str, Backend] = {b.name: b for b in (ray.RAY, mp.MP)}
+Answers = Mapping[str, str | None]  # each backend's answer, by name, as the image gave it
+
+
+def register(backend: Backend) -> Backend:
+    """Add a backend, taken by ``auto`` before those that ask the image nothing."""
+    kept = {n: b for n, b in BACKENDS.items() if b.condition}
+    rest = {n: b for n, b in BACKENDS.items() if not b.condition}
+    BACKENDS.clear()
+    BACKENDS.update({**kept, backend.name: backend, **rest})
+    return backend
+
+
+def backend_problem(config: ClusterConfig) -> str | None:
+    """Why ``[vllm] backend`` names no registered backend, in the configuration's words; None
+    when it names one (or auto)."""
+    name = config.vllm.backend
+    if name == AUTO or name in BACKENDS:
+        return None
+    known = [repr(n) for n in (AUTO, *BACKENDS)]
+    listed = f"{', '.join(known[:-1])} or {known[-1]}"
+    return f"vllm.backend: Input should be {listed} (got {name!r})"
 
 
 def reason(backend: str, why: str) -> str:
     """``mp (configured; vLLM's own multi-node launcher)``"""
-    return f"{backend} ({'; '.join(filter(None, (why, WHAT.get(backend))))})"
+    return f"{backend} ({'; '.join(filter(None, (why, BACKENDS[backend].words)))})"
+
+
+def _named(config: ClusterConfig) -> list[Backend]:
+    """The backends the choice may take: the configured one, or auto's up to the first that
+    runs on any image."""
+    if problem := backend_problem(config):
+        raise ValueError(problem)
+    if config.vllm.backend != AUTO:
+        return [BACKENDS[config.vllm.backend]]
+    taken = []
+    for backend in BACKENDS.values():
+        taken.append(backend)
+        if not backend.condition:
+            break
+    return taken
 
 
 def asks_the_image(config: ClusterConfig) -> bool:
-    """Does the choice need to know whether Ray runs in the image (preflight's one-shot
-    container on the head)?"""
-    return config.vllm.backend in (AUTO, ray.BACKEND)
+    """Does the choice need the image's answers (preflight's one-shot containers on the
+    head)?"""
+    return any(b.question(config) is not None for b in _named(config))
 
 
-def choose(config: ClusterConfig, ray_path: str | None) -> tuple[str, str]:
-    """(backend, why in words), given where preflight found `ray` in the image (None: it does
-    not run there, or was not asked)."""
+def choose(config: ClusterConfig, answers: Answers) -> tuple[str, str]:
+    """(backend, why in words), given each backend's answer from the image (none: it was not
+    asked, or the backend asks nothing)."""
+    named = _named(config)
     backend = config.vllm.backend
     if backend != AUTO:
         return backend, reason(backend, "configured")
-    if ray_path is None:
-        return mp.BACKEND, reason(mp.BACKEND, "the image carries no Ray")
-    return ray.BACKEND, reason(ray.BACKEND, f"the image carries Ray at {ray_path}")
+    passed_over = []
+    for candidate in named:
+        found = candidate.found(answers.get(candidate.name))
+        if found is not None:
+            return candidate.name, reason(candidate.name, found or "; ".join(passed_over))
+        passed_over.append(candidate.absent)
+    raise ValueError(f"no backend runs on image {config.vllm.image}: {'; '.join(passed_over)}")
 
 
-def refusal(config: ClusterConfig, ray_path: str | None) -> str | None:
+def refusal(config: ClusterConfig, answers: Answers) -> str | None:
     """Why the configured backend cannot run on this image (None: it can)."""
-    if config.vllm.backend != ray.BACKEND or ray_path is not None:
+    backend = config.vllm.backend
+    if backend == AUTO:
         return None
-    return (
-        f'`ray` does not run in image {config.vllm.image} (backend = "ray"); vLLM images since '
-        '0.18 do not bundle Ray: set backend = "mp" (vLLM\'s own multi-node launcher, no Ray '
-        "needed), or use an image that carries Ray (vLLM 0.17 or older, or one built FROM yours "
-        "with `pip install ray[default]`)"
-    )
+    return _named(config)[0].refusal(config, answers.get(backend))
 
 
 def candidates(config: ClusterConfig) -> list[tuple[str, str]]:
     """What a run may launch before the image is asked (the dry run shows each)."""
-    backend = config.vllm.backend
-    if backend != AUTO:
-        return [(backend, reason(backend, "configured"))]
-    return [
-        (ray.BACKEND, reason(ray.BACKEND, "if the image carries Ray")),
-        (mp.BACKEND, reason(mp.BACKEND, "if the image carries no Ray")),
-    ]
+    named = _named(config)
+    if config.vllm.backend != AUTO:
+        return [(config.vllm.backend, reason(config.vllm.backend, "configured"))]
+    found = []
+    passed_over: list[str] = []
+    for backend in named:
+        when = backend.condition or " and ".join(passed_over)
+        found.append((backend.name, reason(backend.name, f"if {when}")))
+        passed_over.append(backend.absent)
+    return found
 
 
 AUTO_NOTE = (
@@ -78,16 +116,16 @@ AUTO_NOTE = (
 
 
 def assumed(config: ClusterConfig) -> str:
-    """The backend when nothing runs to say which: the configured one (auto counts as ray,
-    the backend our first users' images take)."""
-    return ray.BACKEND if config.vllm.backend == AUTO else config.vllm.backend
+    """The backend when nothing runs to say which: the configured one (auto counts as the
+    first in its order, Ray, the backend our first users' images take)."""
+    return _named(config)[0].name
 
 
 def launch_fingerprint(config: ClusterConfig, backend: str | None = None) -> str:
     """The fingerprint a group of ``backend`` (default: :func:`assumed`) launched with these
     settings carries: its own members' specs, from the settings alone."""
     backend = backend or assumed(config)
-    return plan_fingerprint(config, BACKENDS[backend](config, None, ""))
+    return plan_fingerprint(config, BACKENDS[backend].plan(config, None, ""))
 
 
 def plan_for(
@@ -99,5 +137,5 @@ def plan_for(
 ) -> LaunchPlan:
     """The backend's plan for ``config`` and the image's ENTRYPOINT (kept when it runs its
     arguments), stamped with the launch fingerprint (which depends on the settings alone)."""
-    built = BACKENDS[backend](config, fabric, why).for_image(entrypoint)
+    built = BACKENDS[backend].plan(config, fabric, why).for_image(entrypoint)
     return built.stamped(launch_fingerprint(config, backend))

@@ -110,3 +110,33 @@ def mp_spec(
         env=env,
         fabric=fabric,
     )
+
+
+class MpBackend:
+    """vLLM's own multi-node launcher: `vllm serve` on every node, ranked. Asks the image
+    nothing: every vLLM image has it."""
+
+    name = BACKEND
+    words = "vLLM's own multi-node launcher"
+    condition = ""
+    absent = ""
+
+    def plan(
+        self, config: ClusterConfig, fabric: Mapping[str, NodeFabric] | None, reason: str
+    ) -> LaunchPlan:
+        return plan(config, fabric, reason)
+
+    def question(self, config: ClusterConfig) -> ContainerSpec | None:
+        return None
+
+    def answer(self, exit_code: int, output: str) -> str | None:
+        return None
+
+    def found(self, answer: str | None) -> str | None:
+        return ""
+
+    def refusal(self, config: ClusterConfig, answer: str | None) -> str | None:
+        return None
+
+
+MP = MpBackend()

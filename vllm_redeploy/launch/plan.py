@@ -3,8 +3,8 @@ wait-ready watches, what status expects and what ``--dry-run`` prints.
 
 A plan is a list of phases, each one step of the runbook (its name is the step's): the phase's
 members (containers, one per node at most) start together, then the phase settles (what
-"settled" means is the phase's: the container started, Ray reports its head up, Ray sees every
-node). Pure data, so the flow launches exactly what ``--dry-run`` prints.
+"settled" means is the phase's: the containers started, or Ray sees every node alive at its
+fabric IP). Pure data, so the flow launches exactly what ``--dry-run`` prints.
 """
 
 from __future__ import annotations

@@ -244,3 +244,41 @@ def membership_problems(config: ClusterConfig, members: list[RayMember]) -> list
             + " (a node registered another address than its fabric_ip)"
         )
     return problems
+
+
+class RayBackend:
+    """Ray's: a Ray cluster of the nodes (`ray start`), then one `vllm serve` on the head whose
+    workers Ray places. It asks the image whether Ray runs there."""
+
+    name = BACKEND
+    words = ""
+    condition = "the image carries Ray"
+    absent = "the image carries no Ray"
+
+    def plan(
+        self, config: ClusterConfig, fabric: Mapping[str, NodeFabric] | None, reason: str
+    ) -> LaunchPlan:
+        return plan(config, fabric, reason)
+
+    def question(self, config: ClusterConfig) -> ContainerSpec | None:
+        return ray_check_spec(config)
+
+    def answer(self, exit_code: int, output: str) -> str | None:
+        lines = output.strip().splitlines()
+        return lines[0] if exit_code == 0 and lines else None
+
+    def found(self, answer: str | None) -> str | None:
+        return f"the image carries Ray at {answer}" if answer else None
+
+    def refusal(self, config: ClusterConfig, answer: str | None) -> str | None:
+        if answer is not None:
+            return None
+        return (
+            f'`ray` does not run in image {config.vllm.image} (backend = "ray"); vLLM images '
+            'since 0.18 do not bundle Ray: set backend = "mp" (vLLM\'s own multi-node launcher, '
+            "no Ray needed), or use an image that carries Ray (vLLM 0.17 or older, or one built "
+            "FROM yours with `pip install ray[default]`)"
+        )
+
+
+RAY = RayBackend()

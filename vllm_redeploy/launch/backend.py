@@ -1,0 +1,65 @@
+"""What a launch backend is: one object that answers for itself.
+
+A backend has a name (``[vllm] backend``, the containers' label), words for people, its plan
+for a configuration, and what it needs of the image: the one-shot container that asks (None:
+it asks nothing), how it reads the container's answer, and why it cannot run on an image that
+answered so. ``auto`` takes the first backend, in the registry's order (launch/choose.py),
+that says it runs on the image.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+from vllm_redeploy.config import ClusterConfig
+from vllm_redeploy.launch.group import NodeFabric
+from vllm_redeploy.launch.plan import LaunchPlan
+from vllm_redeploy.nodes.containers import ContainerSpec
+
+
+class Backend(Protocol):
+    @property
+    def name(self) -> str:
+        """As ``[vllm] backend`` and the containers' label name it."""
+        ...
+
+    @property
+    def words(self) -> str:
+        """What it is, for people, after its name ("" when its name says it)."""
+        ...
+
+    @property
+    def condition(self) -> str:
+        """When ``auto`` takes it, before the image is asked ("the image carries Ray"); "" for
+        a backend that asks nothing (it runs on any image)."""
+        ...
+
+    @property
+    def absent(self) -> str:
+        """Why ``auto`` passed it over ("the image carries no Ray"); "" if it never is."""
+        ...
+
+    def plan(
+        self, config: ClusterConfig, fabric: Mapping[str, NodeFabric] | None, reason: str
+    ) -> LaunchPlan:
+        """The group it launches for ``config``: phases, members, ports."""
+        ...
+
+    def question(self, config: ClusterConfig) -> ContainerSpec | None:
+        """The one-shot container of the image whose answer it needs; None: it needs none."""
+        ...
+
+    def answer(self, exit_code: int, output: str) -> str | None:
+        """What the container's answer means, kept with the image's facts: a value that says
+        it runs there (Ray: where `ray` is), or None when it does not."""
+        ...
+
+    def found(self, answer: str | None) -> str | None:
+        """Why it runs on an image that answered ``answer``, in words ("" when there is
+        nothing to say), or None when it does not run there."""
+        ...
+
+    def refusal(self, config: ClusterConfig, answer: str | None) -> str | None:
+        """Why it cannot run on an image that answered ``answer``, with the fix; None: it can."""
+        ...
