@@ -19,6 +19,7 @@ from tasks.stop_autostart import StopReport
 from tests.fuzz import fuzz_settings
 from vllm_redeploy.config import ConfigError, load_config
 from vllm_redeploy.gpus import judge_gpus
+from vllm_redeploy.launch.backend import GroupStatus
 from vllm_redeploy.listeners import Others, Owner, Stopping, kept_listeners, owners, parse_ss
 from vllm_redeploy.nodes import CommandFailed, CommandResult, NodeUnreachable
 from vllm_redeploy.nodes.docker import DockerError
@@ -31,7 +32,6 @@ from vllm_redeploy.status import (
     GpuHolder,
     GpuStatus,
     NodeStatus,
-    RayStatus,
 )
 from vllm_redeploy.summary import RunSummary, render_markdown
 
@@ -251,7 +251,7 @@ def nasty_status() -> ClusterStatus:
         GpuStatus(False, [GpuHolder(1, NASTY, 10)], [NASTY]),
     )
     down = NodeStatus("node-2", "127.0.0.2", "127.0.0.2", "worker", False, error=NASTY)
-    return ClusterStatus("bed", [node, down], RayStatus(), endpoint, [one_line(NASTY)])
+    return ClusterStatus("bed", [node, down], GroupStatus(), endpoint, [one_line(NASTY)])
 
 
 def test_status_shows_foreign_values_without_escapes_or_markup() -> None:

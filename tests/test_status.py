@@ -23,6 +23,7 @@ from tests.conftest import make_bed
 from tests.testbed.bed import SERVED_NAME, TestBed, bed_ip
 from tests.testbed.procs import kill_in_container
 from vllm_redeploy.config import NodeConfig, load_config
+from vllm_redeploy.launch.backend import GroupStatus
 from vllm_redeploy.launch.group import engine_container
 from vllm_redeploy.launch.mp import follower_container
 from vllm_redeploy.launch.ray import ray_container
@@ -31,7 +32,6 @@ from vllm_redeploy.status import (
     ContainerStatus,
     EndpointStatus,
     NodeStatus,
-    RayStatus,
     collect_status,
     judge,
 )
@@ -91,7 +91,8 @@ def test_status_of_a_healthy_deployment(deployed: tuple[TestBed, Path]) -> None:
     assert running[engine_container(config)]["role"] == "engine"
     assert 0 <= running[engine_container(config)]["uptime_s"] < 600
     assert [c["name"] for c in worker["containers"]] == [ray_container(config)]
-    members = report["ray"]["members"]
+    assert report["group"]["backend"] == "ray"
+    members = report["group"]["members"]
     assert sorted((m["ip"], m["alive"], m["gpus"]) for m in members) == [
         (bed.nodes[0].ip, True, 1.0),
         (bed.nodes[1].ip, True, 1.0),
@@ -304,9 +305,9 @@ def test_a_follower_without_its_leader_is_named() -> None:
         f"the vLLM follower on {worker.name} still runs without the vLLM leader (rank 0), and "
         "cannot join a new one; the next run (or ensure) replaces the whole group"
     )
-    alone = judge(config, [node(head, "head"), follower], RayStatus(), endpoint)
+    alone = judge(config, [node(head, "head"), follower], GroupStatus(), endpoint)
     assert orphaned in alone, alone
     led = [node(head, "head", engine_container(config)), follower]
-    assert orphaned not in judge(config, led, RayStatus(), endpoint)
+    assert orphaned not in judge(config, led, GroupStatus(), endpoint)
     unseen = [node(head, "head", reachable=False), follower]
-    assert orphaned not in judge(config, unseen, RayStatus(), endpoint)
+    assert orphaned not in judge(config, unseen, GroupStatus(), endpoint)

@@ -1,10 +1,10 @@
 """The deployment as it is now, and the one judgement of its health. No Prefect here (fast).
 
 Every node is contacted in parallel (reachable, SSH round trip, our containers by label, who holds
-the GPU; on the head also the Ray membership), while the endpoint is asked for its models, health
-and version and given a fresh probe. ``judge`` turns that into problems; no problem is healthy.
-`vllm-redeploy status` shows it, `ensure` redeploys unless it is healthy: both read
-``collect_status``, so they agree on every fault.
+the GPU; on the head also what the running group's backend says of it: Ray's members), while the
+endpoint is asked for its models, health and version and given a fresh probe. ``judge`` turns
+that into problems; no problem is healthy. `vllm-redeploy status` shows it, `ensure` redeploys
+unless it is healthy: both read ``collect_status``, so they agree on every fault.
 """
 
 from __future__ import annotations
@@ -30,24 +30,17 @@ from vllm_redeploy.launch import (
     engine_container,
     plan_for,
 )
+from vllm_redeploy.launch.backend import GroupStatus
 from vllm_redeploy.launch.choose import BACKENDS
 from vllm_redeploy.launch.fingerprint import launch_changed
-from vllm_redeploy.launch.ray import (
-    RayMember,
-    membership_problems,
-    parse_members,
-    ray_container,
-    ray_members_argv,
-)
 from vllm_redeploy.names import container_name
 from vllm_redeploy.nodes import NodeAccess, RemoteError, fan_out
 from vllm_redeploy.nodes.containers import LABEL_ROLE, cluster_labels
 from vllm_redeploy.probe import ProbeVerdict, run_probe
-from vllm_redeploy.safe_text import one_line, shown
+from vllm_redeploy.safe_text import shown
 from vllm_redeploy.transport import TransportVerdict, judge_nodes
 
 HTTP_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
-RAY_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -90,12 +83,6 @@ class NodeStatus:
 
 
 @dataclass(frozen=True)
-class RayStatus:
-    members: list[RayMember] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
 class EndpointStatus:
     url: str
     served_name: str
@@ -111,7 +98,7 @@ class EndpointStatus:
 class ClusterStatus:
     cluster: str
     nodes: list[NodeStatus]
-    ray: RayStatus
+    group: GroupStatus  # what the running group's backend says of it (Ray: its members)
     endpoint: EndpointStatus
     problems: list[str]
     transport: TransportVerdict | None = None  # what NCCL used, read from the ranks' logs
@@ -155,23 +142,24 @@ def collect_status(
 ) -> ClusterStatus:
     """Look at every node and the endpoint, in parallel; change nothing. ``quick`` (the
     watcher's look, every few seconds) leaves out what costs: the probe (a real completion),
-    nvidia-smi, Ray's member list and the ranks' logs; what runs and what the API says stay.
+    nvidia-smi, the backend's look at the group (Ray's member list) and the ranks' logs; what
+    runs and what the API says stay.
     ``generate`` (default: unless quick) also sends a 1-token generation, which tells a hung
     engine (/health 200, no token) from a busy one."""
     generate = not quick if generate is None else generate
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="endpoint") as pool:
         endpoint = pool.submit(check_endpoint, config, not quick, generate)
         outcomes = fan_out(config.nodes, lambda n: _node_status(n, config, quick))
-        ray = RayStatus()
+        group = GroupStatus()
         nodes = []
         logs: list[tuple[str, str]] = []
         for node, outcome in zip(config.nodes, outcomes, strict=True):
             if outcome.value is not None:
-                status, members, rank_logs = outcome.value
+                status, seen, rank_logs = outcome.value
                 nodes.append(status)
                 logs += [(node.name, text) for text in rank_logs]
-                if members is not None:
-                    ray = members
+                if seen is not None:
+                    group = seen
             else:
                 nodes.append(_unreachable(node, config, str(outcome.error)))
         answered = endpoint.result()
@@ -179,14 +167,15 @@ def collect_status(
         if logs and len(config.nodes) > 1:
             ips = {n.ip: n.name for n in config.nodes}
             transport = judge_nodes(logs, ips, [n.name for n in config.nodes])
-        problems = judge(config, nodes, ray, answered)
-        return ClusterStatus(config.name, nodes, ray, answered, problems, transport)
+        problems = judge(config, nodes, group, answered)
+        return ClusterStatus(config.name, nodes, group, answered, problems, transport)
 
 
 def _node_status(
     node: NodeConfig, config: ClusterConfig, quick: bool = False
-) -> tuple[NodeStatus, RayStatus | None, list[str]]:
-    """The node as it is; on the head also Ray's members; the logs of its running vLLM ranks."""
+) -> tuple[NodeStatus, GroupStatus | None, list[str]]:
+    """The node as it is; on the head also the backend's look at the group; the logs of its
+    running vLLM ranks."""
     role = "head" if node is config.head else "worker"
     with NodeAccess(node, config) as access:
         timeout = config.ssh.connect_timeout_s
@@ -202,13 +191,12 @@ def _node_status(
             status = NodeStatus(
                 node.name, node.address, node.ip, role, True, rtt_ms, str(exc), [], gpu
             )
-            unknown = RayStatus(problems=[f"Ray unknown: {exc}"]) if role == "head" else None
-            return status, unknown, []
-        ray = _ray(access, config, containers) if role == "head" and not quick else None
+            return status, None, []  # the node's error says it; the group is not asked
+        group = _group(access, config, containers) if role == "head" and not quick else None
         status = NodeStatus(
             node.name, node.address, node.ip, role, True, rtt_ms, None, containers, gpu
         )
-        return status, ray, [] if quick else _rank_logs(access, config, containers)
+        return status, group, [] if quick else _rank_logs(access, config, containers)
 
 
 def _rank_logs(
@@ -260,24 +248,13 @@ def _gpu(access: NodeAccess) -> GpuStatus:
     return GpuStatus(report.clear, holders, list(report.problems))
 
 
-def _ray(access: NodeAccess, config: ClusterConfig, containers: list[ContainerStatus]) -> RayStatus:
-    name = ray_container(config)
-    if not any(c.name == name and c.running for c in containers):
-        return RayStatus()  # no head, no membership to ask for; the container check says so
-    try:
-        result = access.docker.exec_runner(name).run(
-            ray_members_argv(config), timeout=RAY_TIMEOUT_S, check=False
-        )
-    except RemoteError as exc:
-        return RayStatus(problems=[f"Ray membership unknown: {exc}"])
-    if not result.ok:
-        tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
-        return RayStatus(problems=[f"Ray membership unknown: {one_line(tail[0])}"])
-    try:
-        members = parse_members(result.stdout)
-    except (ValueError, KeyError) as exc:
-        return RayStatus(problems=[f"Ray membership unreadable: {one_line(exc)}"])
-    return RayStatus(members, membership_problems(config, members))
+def _group(
+    access: NodeAccess, config: ClusterConfig, containers: list[ContainerStatus]
+) -> GroupStatus:
+    """What the backend of what runs on the head (by its label) says of the group."""
+    backend = running_plan(config, [containers]).backend
+    running = {c.name for c in containers if c.running}
+    return BACKENDS[backend].look(access.docker, config, running)
 
 
 def check_endpoint(
@@ -306,7 +283,7 @@ def check_endpoint(
 
 
 def judge(
-    config: ClusterConfig, nodes: list[NodeStatus], ray: RayStatus, endpoint: EndpointStatus
+    config: ClusterConfig, nodes: list[NodeStatus], group: GroupStatus, endpoint: EndpointStatus
 ) -> list[str]:
     """What keeps the deployment from being whole, healthy and as configured (empty: healthy)."""
     problems = []
@@ -329,7 +306,7 @@ def judge(
             problems.append(f"the engine on {node.name} {why}")
     if plan.rendezvous_port is not None:
         problems += _orphans(config, plan, nodes)
-    problems += ray.problems
+    problems += group.problems
     if endpoint.models is None:
         problems.append(f"{endpoint.url}/models does not answer: {endpoint.models_error}")
     elif endpoint.served_name not in endpoint.models:

@@ -23,7 +23,7 @@ from deployments.cli.common import (
 )
 from deployments.cli.prefect_api import Found, api_key, find_api, talking_to
 from vllm_redeploy.controller_api import ControllerApi, problem_with
-from vllm_redeploy.launch.ray import RayMember
+from vllm_redeploy.launch.backend import GroupMember
 from vllm_redeploy.safe_text import for_terminal, one_line
 from vllm_redeploy.status import ClusterStatus, GpuStatus, NodeStatus, collect_status, duration
 
@@ -94,9 +94,10 @@ def print_status(
     if read_from is not None and not read_from.is_default():
         line = f"standing read from {markup_safe(read_from.described())}"
         console.print(line, highlight=False, soft_wrap=True)
-    members = {m.ip: m for m in report.ray.members}
+    members = {m.ip: m for m in report.group.members}
     table = Table(show_edge=False, show_lines=True)
-    for column in ("node", "reachable", "our containers", "GPU", "Ray"):
+    # The group as its backend lists it (Ray's members); "-" where it keeps no list (mp).
+    for column in ("node", "reachable", "our containers", "GPU", "group"):
         table.add_column(column, overflow="fold")
     for node in report.nodes:
         table.add_row(
@@ -106,7 +107,7 @@ def print_status(
             else f"[red]no[/]: {markup_safe(node.error or '')}",
             _containers_cell(node),
             _gpu_cell(node.gpu),
-            _ray_cell(node, members, bool(report.ray.members)),
+            _member_cell(node, members, bool(report.group.members)),
         )
     console.print(table, highlight=False)
     console.print()
@@ -191,7 +192,7 @@ def _gpu_cell(gpu: GpuStatus | None) -> str:
     return "[yellow]" + markup_safe("; ".join(gpu.problems)) + "[/]"
 
 
-def _ray_cell(node: NodeStatus, members: dict[str, RayMember], known: bool) -> str:
+def _member_cell(node: NodeStatus, members: dict[str, GroupMember], known: bool) -> str:
     member = members.get(node.ip)
     if member is None:
         return "[red]not a member[/]" if known else "-"

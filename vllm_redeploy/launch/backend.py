@@ -9,13 +9,34 @@ that says it runs on the image.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.launch.group import NodeFabric
 from vllm_redeploy.launch.plan import LaunchPlan
 from vllm_redeploy.nodes.containers import ContainerSpec
+from vllm_redeploy.nodes.docker import NodeDocker
+
+
+@dataclass(frozen=True)
+class GroupMember:
+    """A node as the backend's own bookkeeping lists it (Ray's member list)."""
+
+    ip: str
+    alive: bool
+    gpus: float
+
+
+@dataclass(frozen=True)
+class GroupStatus:
+    """What the backend itself says of the running group, asked on the head: its members where
+    it keeps a list (Ray does; mp's ranks are the containers), and what is wrong with them."""
+
+    backend: str = ""
+    members: list[GroupMember] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
 
 
 class Backend(Protocol):
@@ -62,4 +83,11 @@ class Backend(Protocol):
 
     def refusal(self, config: ClusterConfig, answer: str | None) -> str | None:
         """Why it cannot run on an image that answered ``answer``, with the fix; None: it can."""
+        ...
+
+    def look(
+        self, docker: NodeDocker, config: ClusterConfig, running: Collection[str]
+    ) -> GroupStatus:
+        """The group as the backend sees it, on the head whose running containers of ours are
+        ``running`` (status, the watcher): read only, a few seconds at most."""
         ...

@@ -16,9 +16,10 @@ use). A follower never joins a new leader: the group is always started and remov
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from vllm_redeploy.config import ClusterConfig, NodeConfig
+from vllm_redeploy.launch.backend import GroupStatus
 from vllm_redeploy.launch.group import (
     ENGINE_ROLE,
     NodeFabric,
@@ -30,6 +31,7 @@ from vllm_redeploy.launch.group import (
 from vllm_redeploy.launch.plan import LaunchPlan, Member, Phase
 from vllm_redeploy.names import container_name
 from vllm_redeploy.nodes.containers import ContainerSpec
+from vllm_redeploy.nodes.docker import NodeDocker
 
 BACKEND = "mp"
 LEADER_ROLE = "leader"
@@ -137,6 +139,11 @@ class MpBackend:
 
     def refusal(self, config: ClusterConfig, answer: str | None) -> str | None:
         return None
+
+    def look(
+        self, docker: NodeDocker, config: ClusterConfig, running: Collection[str]
+    ) -> GroupStatus:
+        return GroupStatus(self.name)  # the ranks are the containers: nothing more to ask
 
 
 MP = MpBackend()

@@ -4,10 +4,11 @@ fabric IP), then `vllm serve` on the head as a Ray driver whose workers Ray plac
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Collection, Mapping
+from dataclasses import replace
 
 from vllm_redeploy.config import ClusterConfig, NodeConfig
+from vllm_redeploy.launch.backend import GroupMember, GroupStatus
 from vllm_redeploy.launch.group import (
     ENGINE_ROLE,
     PER_NODE_VARS,
@@ -22,6 +23,9 @@ from vllm_redeploy.launch.group import (
 from vllm_redeploy.launch.plan import LaunchPlan, Member, Phase
 from vllm_redeploy.names import container_name
 from vllm_redeploy.nodes.containers import ContainerSpec
+from vllm_redeploy.nodes.docker import NodeDocker
+from vllm_redeploy.nodes.errors import RemoteError
+from vllm_redeploy.safe_text import one_line
 
 BACKEND = "ray"
 RAY_ROLE = "ray"
@@ -34,6 +38,7 @@ RAY_TMP = "/tmp/ray"  # noqa: S108 - a path inside our containers, not on the ho
 VLLM_CONFIG_ROOT = "/tmp/vllm-redeploy-config"  # noqa: S108 - inside the engine container
 # Ray must run in the image, not merely be a file on PATH: `ray --version` imports the package.
 RAY_CHECK_ARGV = ("sh", "-c", "command -v ray && ray --version")
+MEMBERS_TIMEOUT_S = 60.0
 GCS_WAIT_VAR = "RAY_gcs_server_port_wait_time_s"
 
 
@@ -214,11 +219,7 @@ def ray_members_argv(config: ClusterConfig) -> list[str]:
     return ["python3", "-c", RAY_MEMBERS_SCRIPT, f"{config.head.ip}:{config.ray.port}"]
 
 
-@dataclass(frozen=True)
-class RayMember:
-    ip: str
-    alive: bool
-    gpus: float
+RayMember = GroupMember  # Ray's member list is the group's
 
 
 def parse_members(stdout: str) -> list[RayMember]:
@@ -279,6 +280,27 @@ class RayBackend:
             "no Ray needed), or use an image that carries Ray (vLLM 0.17 or older, or one built "
             "FROM yours with `pip install ray[default]`)"
         )
+
+    def look(
+        self, docker: NodeDocker, config: ClusterConfig, running: Collection[str]
+    ) -> GroupStatus:
+        name = ray_container(config)
+        if name not in running:
+            return GroupStatus(self.name)  # no head to ask; the container check says so
+        try:
+            result = docker.exec_runner(name).run(
+                ray_members_argv(config), timeout=MEMBERS_TIMEOUT_S, check=False
+            )
+        except RemoteError as exc:
+            return GroupStatus(self.name, problems=[f"Ray membership unknown: {exc}"])
+        if not result.ok:
+            tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
+            return GroupStatus(self.name, problems=[f"Ray membership unknown: {one_line(tail[0])}"])
+        try:
+            members = parse_members(result.stdout)
+        except (ValueError, KeyError) as exc:
+            return GroupStatus(self.name, problems=[f"Ray membership unreadable: {one_line(exc)}"])
+        return GroupStatus(self.name, members, membership_problems(config, members))
 
 
 RAY = RayBackend()
