@@ -58,17 +58,14 @@ class NodeFabric:
 def node_env(
     node: NodeConfig, config: ClusterConfig, fabric: NodeFabric | None = None
 ) -> dict[str, str]:
-    """Environment of a node's containers: Ray's defaults for unified
-    memory, the compile caches, vLLM's start-up bound and the model's cache, then the fabric
-    interfaces and HCAs found on the node, then [vllm.env], then the node's configured
-    interfaces and HCAs, then the IP vLLM must use. NCCL logs at least what the transport proof
-    reads (:mod:`nccl_logging`)."""
+    """Environment of a node's containers: the compile caches, vLLM's start-up bound and the
+    model's cache, then the fabric interfaces and HCAs found on the node, then [vllm.env], then
+    the node's configured interfaces and HCAs, then the IP vLLM must use. NCCL logs at least
+    what the transport proof reads (:mod:`nccl_logging`). A backend adds its own defaults below
+    these (Ray's: launch/ray.py), so that [vllm.env] still wins over them."""
     fabric = fabric or NodeFabric()
     env = {
-        # Every rank's lines reach the engine's log: Ray would fold the workers' look-alike ones.
-        "RAY_DEDUP_LOGS": "0",
         "PYTHONUNBUFFERED": "1",
-        **_ray_memory_env(config),
         **cache_env(config),
         **engine_start_env(config),
         **config.vllm.source.env(),  # a repo id: the cache's hub, offline
@@ -112,17 +109,6 @@ def engine_start_env(config: ClusterConfig) -> dict[str, str]:
     vllm#48031). Its clock starts after the API server's imports, later than ours: our wait
     gives up first, with its own diagnosis. [vllm.env] may still set it."""
     return {ENGINE_READY_TIMEOUT: str(math.ceil(config.deadlines.model_load_s))}
-
-
-def _ray_memory_env(config: ClusterConfig) -> dict[str, str]:
-    """Ray's defaults that do harm on unified memory, turned off unless configured on."""
-    env = {}
-    if not config.ray.memory_monitor:
-        env["RAY_memory_monitor_refresh_ms"] = "0"
-    if not config.ray.prestart_workers:
-        env["RAY_enable_worker_prestart"] = "0"
-        env["RAY_prestart_worker_first_driver"] = "0"
-    return env
 
 
 def rdma_options(config: ClusterConfig, fabric: NodeFabric | None) -> dict[str, object]:

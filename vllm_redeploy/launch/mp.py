@@ -94,12 +94,7 @@ def mp_spec(
     node: NodeConfig, config: ClusterConfig, fabric: NodeFabric | None = None
 ) -> ContainerSpec:
     leader = node is config.head
-    # Ray's settings mean nothing here (no Ray runs), unless the operator set them.
-    env = {
-        k: v
-        for k, v in node_env(node, config, fabric).items()
-        if not k.startswith("RAY_") or k in config.vllm.env
-    }
+    env = node_env(node, config, fabric)
     if leader:
         env |= api_server_env(config)
     return group_spec(

@@ -82,6 +82,28 @@ def plan(
     )
 
 
+def ray_env(node: NodeConfig, config: ClusterConfig, fabric: NodeFabric | None) -> dict[str, str]:
+    """A node's environment in Ray's containers: Ray's defaults first, so that [vllm.env] (in
+    the node's environment) still wins over them."""
+    defaults = {
+        # Every rank's lines reach the engine's log: Ray would fold the workers' look-alike ones.
+        "RAY_DEDUP_LOGS": "0",
+        **_ray_memory_env(config),
+    }
+    return {**defaults, **node_env(node, config, fabric)}
+
+
+def _ray_memory_env(config: ClusterConfig) -> dict[str, str]:
+    """Ray's defaults that do harm on unified memory, turned off unless configured on."""
+    env = {}
+    if not config.ray.memory_monitor:
+        env["RAY_memory_monitor_refresh_ms"] = "0"
+    if not config.ray.prestart_workers:
+        env["RAY_enable_worker_prestart"] = "0"
+        env["RAY_prestart_worker_first_driver"] = "0"
+    return env
+
+
 def ray_start_args(node: NodeConfig, config: ClusterConfig) -> list[str]:
     head = config.head
     args = [
@@ -115,7 +137,7 @@ def ray_spec(
         role=RAY_ROLE,
         backend=BACKEND,
         argv=ray_start_args(node, config),
-        env={**node_env(node, config, fabric), **_gcs_wait_env(config)},
+        env={**ray_env(node, config, fabric), **_gcs_wait_env(config)},
         fabric=fabric,
         volumes=volumes,
     )
@@ -138,7 +160,7 @@ def ray_check_spec(config: ClusterConfig) -> ContainerSpec:
         role=RAY_ROLE,
         backend=BACKEND,
         argv=RAY_CHECK_ARGV,
-        env=node_env(config.head, config),
+        env=ray_env(config.head, config, None),
         fabric=None,
         volumes=list(config.vllm.volumes),
     )
@@ -153,7 +175,7 @@ def vllm_serve_args(config: ClusterConfig) -> list[str]:
 def per_node_values_differ(config: ClusterConfig, fabric: Mapping[str, NodeFabric]) -> bool:
     """Do the nodes' interface and HCA variables differ (names depend on the port cabled)?"""
     envs = [
-        {k: v for k, v in node_env(n, config, fabric.get(n.name)).items() if k in PER_NODE_VARS}
+        {k: v for k, v in ray_env(n, config, fabric.get(n.name)).items() if k in PER_NODE_VARS}
         for n in config.nodes
     ]
     return any(env != envs[0] for env in envs)
@@ -165,7 +187,7 @@ def engine_spec(
     """The engine on the head, a Ray driver of the cluster (``fabric``: what every node has)."""
     fabric = fabric or {}
     head = config.head
-    env = node_env(head, config, fabric.get(head.name))
+    env = ray_env(head, config, fabric.get(head.name))
     env["RAY_ADDRESS"] = f"{head.ip}:{config.ray.port}"
     argv = vllm_serve_args(config)
     if per_node_values_differ(config, fabric):
