@@ -2,9 +2,10 @@
 
     .venv/bin/python -m bench.runbook_args cluster.toml
 
-The containers are the flow's own (vllm_redeploy/launch/ray.py: same image, command, environment,
-mounts and names), written as `docker run` command lines, so the reference script launches
-exactly what the flow launches and the two can be timed on the same bed.
+The containers are the flow's own (the Ray backend's plan, from the launch registry: same image,
+command, environment, mounts, names and labels), written as `docker run` command lines, so the
+reference script launches exactly what the flow launches and the two can be timed on the same
+bed.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ import sys
 
 from vllm_redeploy.config import ClusterConfig, load_config
 from vllm_redeploy.endpoint import api_base
-from vllm_redeploy.launch.group import engine_container
-from vllm_redeploy.launch.ray import engine_spec, ray_container, ray_spec
+from vllm_redeploy.launch import LaunchPlan, plan_for
 from vllm_redeploy.nodes.containers import ContainerSpec
 
 
@@ -50,9 +50,13 @@ def docker_run(spec: ContainerSpec) -> str:
     return shlex.join([*argv, spec.image, *spec.command])
 
 
-def stale_regex(config: ClusterConfig) -> str:
+BACKEND = "ray"  # what the reference runbook launches by hand: Ray, then `vllm serve`
+
+
+def stale_regex(config: ClusterConfig, plan: LaunchPlan) -> str:
     """One extended regex for the autostart containers' globs and our own earlier containers."""
-    globs = [*config.autostart.containers, ray_container(config), engine_container(config)]
+    ours = sorted({m.spec.name for m in plan.members})
+    globs = [*config.autostart.containers, *ours]
     return "^(" + "|".join(glob_to_ere(g) for g in globs) + ")$"
 
 
@@ -65,6 +69,8 @@ def variables(config: ClusterConfig) -> dict[str, str | list[str]]:
     ssh = config.ssh
     nodes = config.nodes
     head = nodes.index(config.head)
+    plan = plan_for(BACKEND, config)
+    ray = {m.node: m.spec for m in plan.members if m is not plan.api}  # one per node
     return {
         "SSH_KEY": str(ssh.key_file.expanduser()) if ssh.key_file else "",
         "KNOWN_HOSTS": str(ssh.known_hosts.expanduser()),
@@ -72,12 +78,12 @@ def variables(config: ClusterConfig) -> dict[str, str | list[str]]:
         "PORTS": [str(n.ssh_port) for n in nodes],
         "HEAD": str(head),
         "UNITS": " ".join(config.autostart.units),
-        "STALE": stale_regex(config),
-        "RAY_RUN": [docker_run(ray_spec(n, config)) for n in nodes],
-        "RAY_CONTAINER": ray_container(config),
+        "STALE": stale_regex(config, plan),
+        "RAY_RUN": [docker_run(ray[n.name]) for n in nodes],
+        "RAY_CONTAINER": ray[config.head.name].name,
         "RAY_ADDRESS": f"{config.head.ip}:{config.ray.port}",
         "GPUS": str(sum(n.gpus for n in nodes)),
-        "ENGINE_RUN": docker_run(engine_spec(config)),
+        "ENGINE_RUN": docker_run(plan.api.spec),
         "API": api_base(config),
         "MODEL": config.vllm.served_name,
     }
