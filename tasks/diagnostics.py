@@ -9,7 +9,8 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import Run
-from vllm_redeploy.launch.ray import ray_container
+from vllm_redeploy.launch.choose import BACKENDS
+from vllm_redeploy.launch.group import LABEL_BACKEND
 from vllm_redeploy.names import artifact_key
 from vllm_redeploy.nodes import NodeAccess, RemoteError, fan_out
 from vllm_redeploy.nodes.containers import cluster_labels
@@ -21,8 +22,9 @@ LOG_LINES = 40
 
 
 def _node_section(run: Run, name: str) -> str:
-    """Containers with their logs, GPU processes, kernel OOM lines and, on the head, `ray
-    status`: read at once, as a failed run should end soon after the failure."""
+    """Containers with their logs, GPU processes, kernel OOM lines and, on the head, what the
+    group's backend adds (Ray's `ray status`): read at once, as a failed run should end soon
+    after the failure."""
     access = run.node(name)
     with ThreadPoolExecutor(max_workers=4, thread_name_prefix="diagnose") as pool:
         pieces = [
@@ -31,7 +33,7 @@ def _node_section(run: Run, name: str) -> str:
             pool.submit(_kernel_oom, access),
         ]
         if name == run.config.head.name:
-            pieces.append(pool.submit(_ray_status, run, access))
+            pieces.append(pool.submit(_backend_sections, run, access))
         return "\n\n".join([f"## {name}", *(p for f in pieces if (p := f.result()))])
 
 
@@ -65,12 +67,12 @@ def _kernel_oom(access: NodeAccess) -> str:
     return "### kernel OOM lines\n" + fenced("\n".join(oom)) if oom else ""
 
 
-def _ray_status(run: Run, access: NodeAccess) -> str:
-    name = ray_container(run.config)
-    if not access.docker.get(name):
-        return ""
-    status = access.docker.exec_runner(name).run(["ray", "status"], timeout=60, check=False)
-    return "### ray status\n" + fenced((status.stdout or status.stderr).strip())
+def _backend_sections(run: Run, access: NodeAccess) -> str:
+    """What the backend of each of our containers on the head (by their label) adds."""
+    found = access.docker.list_containers(labels=cluster_labels(run.config.name))
+    names = sorted({c.labels.get(LABEL_BACKEND, "") for c in found} & BACKENDS.keys())
+    sections = (BACKENDS[n].diagnostics(access.docker, run.config) for n in names)
+    return "\n\n".join(s for s in sections if s)
 
 
 # Not cached: what went wrong is this run's. Not retried: it runs while the run fails, and a

@@ -91,3 +91,8 @@ class Backend(Protocol):
         """The group as the backend sees it, on the head whose running containers of ours are
         ``running`` (status, the watcher): read only, a few seconds at most."""
         ...
+
+    def diagnostics(self, docker: NodeDocker, config: ClusterConfig) -> str:
+        """What it knows of a failed group, read on the head, as a markdown section ("" when
+        it has nothing to add to the containers' logs)."""
+        ...

@@ -140,5 +140,8 @@ class MpBackend:
     ) -> GroupStatus:
         return GroupStatus(self.name)  # the ranks are the containers: nothing more to ask
 
+    def diagnostics(self, docker: NodeDocker, config: ClusterConfig) -> str:
+        return ""  # the ranks' own logs say it all
+
 
 MP = MpBackend()

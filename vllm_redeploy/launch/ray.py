@@ -25,7 +25,7 @@ from vllm_redeploy.names import container_name
 from vllm_redeploy.nodes.containers import ContainerSpec
 from vllm_redeploy.nodes.docker import NodeDocker
 from vllm_redeploy.nodes.errors import RemoteError
-from vllm_redeploy.safe_text import one_line
+from vllm_redeploy.safe_text import fenced, one_line
 
 BACKEND = "ray"
 RAY_ROLE = "ray"
@@ -323,6 +323,13 @@ class RayBackend:
         except (ValueError, KeyError) as exc:
             return GroupStatus(self.name, problems=[f"Ray membership unreadable: {one_line(exc)}"])
         return GroupStatus(self.name, members, membership_problems(config, members))
+
+    def diagnostics(self, docker: NodeDocker, config: ClusterConfig) -> str:
+        name = ray_container(config)
+        if not docker.get(name):
+            return ""
+        status = docker.exec_runner(name).run(["ray", "status"], timeout=60, check=False)
+        return "### ray status\n" + fenced((status.stdout or status.stderr).strip())
 
 
 RAY = RayBackend()
