@@ -293,7 +293,7 @@ def _runbook(run: Run, mode: Mode, step: Steps) -> None:
     step("ports-free", wait_ports_free, run, plan)
     step.launching = True
     for index, phase in enumerate(plan.phases):
-        summary.members = step.change(phase.step, launch_phase, run, plan, index) or summary.members
+        summary.group = step.change(phase.step, launch_phase, run, plan, index) or summary.group
     ready = step("wait-ready", wait_until_ready, run, plan)
     summary.load_s, summary.vllm_version = ready.waited_s, ready.version
     summary.compile_cache = compile_cache_words(config, ready.compile)

@@ -85,3 +85,49 @@ def test_steps_tell_prefect_through_the_runs_records() -> None:
         if direct.search(line) and "lambda" not in line and "def " not in line
     ]
     assert offenders == []
+
+
+def modules_imported(path: Path) -> set[str]:
+    """Every module a file imports, with ``from package import module`` as the module."""
+    found = imports_of(path)
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+LAUNCH = ROOT / "vllm_redeploy" / "launch"
+
+
+def backend_modules() -> set[str]:
+    """The backends' modules in launch/: each one that names its BACKEND, and its helpers
+    (``ray_log``, ``ray_settle``: the backend's name, then ``_``)."""
+    names = [
+        p.stem
+        for p in LAUNCH.glob("*.py")
+        if re.search(r"^BACKEND = ", p.read_text(), re.MULTILINE)
+    ]
+    return {
+        f"vllm_redeploy.launch.{p.stem}"
+        for p in LAUNCH.glob("*.py")
+        if any(p.stem == n or p.stem.startswith(f"{n}_") for n in names)
+    }
+
+
+def test_nothing_outside_launch_imports_a_backend() -> None:
+    """A backend answers for itself (launch/backend.py); the rest asks the registry or the
+    plan. Without this, a second `if backend == "ray"` would creep back in."""
+    backends = backend_modules()
+    # The check sees what it looks for: the registry imports both backends.
+    assert {"vllm_redeploy.launch.ray", "vllm_redeploy.launch.mp"} <= backends
+    assert {"vllm_redeploy.launch.ray", "vllm_redeploy.launch.mp"} <= modules_imported(
+        LAUNCH / "choose.py"
+    )
+    outside = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for package in ("vllm_redeploy", "tasks", "flows", "deployments", "bench")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if LAUNCH not in path.parents
+        for name in sorted(modules_imported(path) & backends)
+    ]
+    assert outside == []

@@ -4,19 +4,20 @@ late for Ray's fixed 30 s is started once more; a second exit, or the head's, fa
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
-from prefect import flow
 
-from tasks.context import Run, StepFailed
-from tasks.ray_settle import _still_starting
+from tasks.context import Run
 from tests.testbed import image
 from tests.testbed.bed import TestBed
 from vllm_redeploy.config import load_config
+from vllm_redeploy.launch.backend import SettleFailed
 from vllm_redeploy.launch.ray import ray_container
+from vllm_redeploy.launch.ray_settle import still_starting
 
 pytestmark = pytest.mark.integration
 LATE = (
@@ -53,12 +54,15 @@ def exited_ray(bed: TestBed, run: Run, node: int, script: str) -> None:
         made.wait(timeout=30)
 
 
-@flow(name="ray-settle-test")  # the step logs to its run
 def settle(run: Run, names: list[str], within_s: float = 30) -> tuple[list[str], set[str]]:
     """The nodes still starting after ``within_s``, and those started a second time."""
     again: set[str] = set()
     deadline = time.monotonic() + within_s
-    while (pending := _still_starting(run, names, again)) and time.monotonic() < deadline:
+    docker_of = lambda name: run.node(name).docker  # noqa: E731
+    log = logging.getLogger("ray-settle-test")
+    while (
+        pending := still_starting(run.config, docker_of, names, again, log)
+    ) and time.monotonic() < deadline:
         time.sleep(0.2)
     return pending, again
 
@@ -70,13 +74,13 @@ def test_a_worker_late_for_rays_30_s_is_started_once_more(bed: TestBed, run: Run
 
 def test_late_twice_or_on_the_head_fails_the_step(bed: TestBed, run: Run) -> None:
     exited_ray(bed, run, 1, LATE_ALWAYS)
-    with pytest.raises(StepFailed) as twice:
+    with pytest.raises(SettleFailed) as twice:
         settle(run, ["node-2"])
     said = str(twice.value)
     assert "Ray on node-2 (worker, " in said
     assert said.count("timed out during startup") == 2  # started once more, then given up
     exited_ray(bed, run, 0, LATE_ALWAYS)
-    with pytest.raises(StepFailed) as head:
+    with pytest.raises(SettleFailed) as head:
         settle(run, ["node-1"])
     assert "Ray on node-1 (head, " in str(head.value)
     assert str(head.value).count("timed out during startup") == 1  # the head: never again

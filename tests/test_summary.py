@@ -27,7 +27,7 @@ from tasks.stop_autostart import StopReport
 from tests.test_probe import THINKING, completion
 from tests.testbed.procs import free_port
 from vllm_redeploy.gpus import GpuReport
-from vllm_redeploy.launch.ray import RayMember
+from vllm_redeploy.launch.backend import GroupMember, GroupStatus
 from vllm_redeploy.parsers.nvidia_smi import GPU_FIELDS, parse_compute_apps, parse_gpus
 from vllm_redeploy.parsers.vllm_log import LoadProgress
 from vllm_redeploy.probe import judge
@@ -73,7 +73,10 @@ def full_run(**changes: Any) -> RunSummary:
             StopReport("spark-b", (), (), (), ("vllm-redeploy-spark-pair-ray",)),
         ],
         gpus=[gpu_report("spark-a", "idle"), gpu_report("spark-b", "idle")],
-        members=[RayMember("192.168.200.12", True, 1.0), RayMember("192.168.200.13", True, 1.0)],
+        group=GroupStatus(
+            "ray",
+            [GroupMember("192.168.200.12", True, 1.0), GroupMember("192.168.200.13", True, 1.0)],
+        ),
         node_ips={"192.168.200.12": "spark-a", "192.168.200.13": "spark-b"},
         endpoint="http://192.168.200.12:30000/v1",
         model="Qwen3.5-122B-A10B-FP8",
@@ -104,8 +107,8 @@ def test_summary_of_a_redeploy_with_a_reasoning_only_probe() -> None:
         "| spark-b | none | none; ours from the last run: vllm-redeploy-spark-pair-ray "
         "| clear (1 GPU, 0 MiB used) | - |" in lines
     )
-    # Ray membership by IP and GPUs
-    assert "2 nodes alive, 2 GPUs." in lines
+    # the group as its backend listed it: Ray's members by IP and GPUs
+    assert "## Group" in lines and "ray: 2 nodes alive, 2 GPUs." in lines
     assert "| spark-b | 192.168.200.13 | 1 | yes |" in lines
     # the image and its version, where it is served, and the load time
     assert "- image `vllm/vllm-openai:v0.19.0` (3ae83e92db0d)" in lines

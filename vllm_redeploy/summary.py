@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from vllm_redeploy.gpus import GpuReport
-from vllm_redeploy.launch.ray import RayMember
+from vllm_redeploy.launch.backend import GroupStatus
 from vllm_redeploy.parsers.vllm_log import LoadProgress
 from vllm_redeploy.probe import ProbeVerdict
 from vllm_redeploy.safe_text import fenced, one_line
@@ -66,7 +66,7 @@ class RunSummary:
     stopped: Sequence[StopLike] = ()
     gpus: Sequence[GpuReport] = ()
     memory: Sequence[MemoryLike] = ()
-    members: Sequence[RayMember] = ()
+    group: GroupStatus | None = None  # what the backend said of the group it settled (Ray)
     backend: str | None = None  # the launch backend and why it was chosen
     transport: TransportVerdict | None = None
     node_ips: dict[str, str] = field(default_factory=dict)  # fabric IP -> node name
@@ -108,7 +108,7 @@ def render_markdown(summary: RunSummary) -> str:
     lines += _sync_section(summary.synced)
     lines += _nodes_section(summary)
     lines += _fabric_section(summary.transport)
-    lines += _ray_section(summary)
+    lines += _group_section(summary)
     lines += _vllm_section(summary)
     lines += _probe_section(summary.probe)
     if summary.notes:
@@ -195,22 +195,25 @@ def gpu_state(report: GpuReport) -> str:
     return f"clear ({len(report.gpus)} GPU, {used} MiB used)"
 
 
-def _ray_section(summary: RunSummary) -> list[str]:
-    if not summary.members:
+def _group_section(summary: RunSummary) -> list[str]:
+    """The group as its backend listed it when the launch settled (Ray's members by IP and
+    GPUs); none for a backend that keeps no list (mp: its ranks are the containers)."""
+    group = summary.group
+    if group is None or not group.members:
         return []
-    alive = [m for m in summary.members if m.alive]
+    alive = [m for m in group.members if m.alive]
     gpus = sum(m.gpus for m in alive)
     lines = [
         "",
-        "## Ray",
+        "## Group",
         "",
-        f"{len(alive)} nodes alive, {gpus:g} GPUs.",
+        f"{group.backend}: {len(alive)} nodes alive, {gpus:g} GPUs.",
         "",
         "| node | IP | GPUs | alive |",
         "| --- | --- | --- | --- |",
     ]
     rank = {ip: i for i, ip in enumerate(summary.node_ips)}  # configured nodes first, in order
-    for m in sorted(summary.members, key=lambda m: (rank.get(m.ip, len(rank)), m.ip)):
+    for m in sorted(group.members, key=lambda m: (rank.get(m.ip, len(rank)), m.ip)):
         name = summary.node_ips.get(m.ip, "(not configured)")
         lines.append(f"| {name} | {m.ip} | {m.gpus:g} | {'yes' if m.alive else 'no'} |")
     return lines

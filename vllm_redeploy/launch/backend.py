@@ -9,15 +9,20 @@ that says it runs on the image.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import logging
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.launch.group import NodeFabric
-from vllm_redeploy.launch.plan import LaunchPlan
+from vllm_redeploy.launch.plan import LaunchPlan, Settle
 from vllm_redeploy.nodes.containers import ContainerSpec
 from vllm_redeploy.nodes.docker import NodeDocker
+
+
+class SettleFailed(Exception):
+    """A launch phase did not settle; the message says why (the launch step's failure)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,17 @@ class Backend(Protocol):
     ) -> GroupStatus:
         """The group as the backend sees it, on the head whose running containers of ours are
         ``running`` (status, the watcher): read only, a few seconds at most."""
+        ...
+
+    def settle(
+        self,
+        settle: Settle,
+        config: ClusterConfig,
+        docker_of: Callable[[str], NodeDocker],
+        log: logging.Logger | logging.LoggerAdapter,
+    ) -> GroupStatus:
+        """Wait until a phase of its plan that settles by ``settle`` (not "started") has;
+        raises SettleFailed saying why it did not."""
         ...
 
     def diagnostics(self, docker: NodeDocker, config: ClusterConfig) -> str:

@@ -16,7 +16,8 @@ use). A follower never joins a new leader: the group is always started and remov
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import logging
+from collections.abc import Callable, Collection, Mapping
 
 from vllm_redeploy.config import ClusterConfig, NodeConfig
 from vllm_redeploy.launch.backend import GroupStatus
@@ -28,7 +29,7 @@ from vllm_redeploy.launch.group import (
     node_env,
     serve_args,
 )
-from vllm_redeploy.launch.plan import LaunchPlan, Member, Phase
+from vllm_redeploy.launch.plan import LaunchPlan, Member, Phase, Settle
 from vllm_redeploy.names import container_name
 from vllm_redeploy.nodes.containers import ContainerSpec
 from vllm_redeploy.nodes.docker import NodeDocker
@@ -139,6 +140,15 @@ class MpBackend:
         self, docker: NodeDocker, config: ClusterConfig, running: Collection[str]
     ) -> GroupStatus:
         return GroupStatus(self.name)  # the ranks are the containers: nothing more to ask
+
+    def settle(
+        self,
+        settle: Settle,
+        config: ClusterConfig,
+        docker_of: Callable[[str], NodeDocker],
+        log: logging.Logger | logging.LoggerAdapter,
+    ) -> GroupStatus:
+        raise ValueError(f"the mp backend has no phase that settles by {settle!r}")
 
     def diagnostics(self, docker: NodeDocker, config: ClusterConfig) -> str:
         return ""  # the ranks' own logs say it all

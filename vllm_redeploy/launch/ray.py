@@ -4,7 +4,8 @@ fabric IP), then `vllm serve` on the head as a Ray driver whose workers Ray plac
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping
+import logging
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 
 from vllm_redeploy.config import ClusterConfig, NodeConfig
@@ -20,7 +21,7 @@ from vllm_redeploy.launch.group import (
     node_env,
     serve_args,
 )
-from vllm_redeploy.launch.plan import LaunchPlan, Member, Phase
+from vllm_redeploy.launch.plan import LaunchPlan, Member, Phase, Settle
 from vllm_redeploy.names import container_name
 from vllm_redeploy.nodes.containers import ContainerSpec
 from vllm_redeploy.nodes.docker import NodeDocker
@@ -323,6 +324,20 @@ class RayBackend:
         except (ValueError, KeyError) as exc:
             return GroupStatus(self.name, problems=[f"Ray membership unreadable: {one_line(exc)}"])
         return GroupStatus(self.name, members, membership_problems(config, members))
+
+    def settle(
+        self,
+        settle: Settle,
+        config: ClusterConfig,
+        docker_of: Callable[[str], NodeDocker],
+        log: logging.Logger | logging.LoggerAdapter,
+    ) -> GroupStatus:
+        from vllm_redeploy.launch.ray_settle import wait_members  # it builds on this module
+
+        if settle != "ray-members":
+            raise ValueError(f"the Ray backend has no phase that settles by {settle!r}")
+        members = wait_members(config, docker_of, log)
+        return GroupStatus(self.name, members)
 
     def diagnostics(self, docker: NodeDocker, config: ClusterConfig) -> str:
         name = ray_container(config)
