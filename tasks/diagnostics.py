@@ -77,7 +77,7 @@ def _backend_sections(run: Run, access: NodeAccess) -> str:
 
 # Not cached: what went wrong is this run's. Not retried: it runs while the run fails, and a
 # node it cannot read is said in the artifact rather than waited for.
-@task(name="diagnostics", cache_policy=NO_CACHE)
+@task(name="diagnostics", task_run_name="diagnostics", cache_policy=NO_CACHE)
 def collect_diagnostics(run: Run, step: str, reason: str) -> str:
     sections = [f"# {run.config.name}: failed at {step}", fenced(reason)]
     for outcome in fan_out(run.config.nodes, lambda n: _node_section(run, n.name)):

@@ -67,7 +67,7 @@ class HandsOff(Exception):
 
 
 # Not cached: the standing is only true now.
-@task(name="guard", cache_policy=NO_CACHE)
+@task(name="guard", task_run_name="guard", cache_policy=NO_CACHE)
 def guard_run(run: Run, trigger: Trigger, override_pause: bool) -> Guard:
     reason = _unwelcome(run.config.name, trigger, override_pause)
     if reason is not None:

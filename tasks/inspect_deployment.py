@@ -22,7 +22,7 @@ class Health:
 
 
 # Not cached: health is only true now.
-@task(name="inspect-deployment", cache_policy=NO_CACHE)
+@task(name="inspect-deployment", task_run_name="inspect-deployment", cache_policy=NO_CACHE)
 def inspect_deployment(run: Run) -> Health:
     """Healthy only if every node is reachable, every container of the group runs (the engine
     with this configuration), Ray has every node, the served name is listed and the probe

@@ -36,7 +36,7 @@ RECHECK_S = 0.5
 
 
 # Not cached: the answer is only true now.
-@task(name="ports-free", cache_policy=NO_CACHE, **RETRY_TRANSIENT)
+@task(name="ports-free", task_run_name="ports-free", cache_policy=NO_CACHE, **RETRY_TRANSIENT)
 def wait_ports_free(run: Run, plan: LaunchPlan) -> None:
     """Wait (as long as GPUs get to be released) until the head's ports are free."""
     grace = run.config.deadlines.gpu_release_s

@@ -26,7 +26,7 @@ def probe(run: Run) -> ProbeVerdict:
 
 
 # Not cached and not retried: the verdict is the point; a flaky answer is an answer.
-@task(name="probe", cache_policy=NO_CACHE)
+@task(name="probe", task_run_name="probe", cache_policy=NO_CACHE)
 def probe_model(run: Run) -> ProbeVerdict:
     verdict = probe(run)
     if not verdict.healthy:

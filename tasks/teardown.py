@@ -12,7 +12,7 @@ from vllm_redeploy.nodes.containers import cluster_labels
 
 # Not cached: it removes what runs now. Not retried: a node it cannot reach is named in the log
 # (the next run's stop-autostart removes what is left).
-@task(name="teardown", cache_policy=NO_CACHE)
+@task(name="teardown", task_run_name="teardown", cache_policy=NO_CACHE)
 def teardown_group(run: Run) -> dict[str, list[str]]:
     """Remove our containers everywhere; a node that cannot be reached is reported, not fatal."""
     labels = cluster_labels(run.config.name)

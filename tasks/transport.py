@@ -28,7 +28,7 @@ def rdma_required(run: Run, plan: LaunchPlan) -> bool:
 
 
 # Not cached: it reads what this run's ranks logged.
-@task(name="transport", cache_policy=NO_CACHE)
+@task(name="transport", task_run_name="transport", cache_policy=NO_CACHE)
 def prove_transport(run: Run, plan: LaunchPlan) -> TransportVerdict:
     config = run.config
     members = plan.rank_logs

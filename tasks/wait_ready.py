@@ -71,7 +71,7 @@ class Ready:
 
 
 # Not cached: readiness is only true now, and the engine it watches is this run's.
-@task(name="wait-ready", cache_policy=NO_CACHE)
+@task(name="wait-ready", task_run_name="wait-ready", cache_policy=NO_CACHE)
 def wait_until_ready(run: Run, plan: LaunchPlan) -> Ready:
     config = run.config
     api = plan.api

@@ -131,3 +131,20 @@ def test_nothing_outside_launch_imports_a_backend() -> None:
         for name in sorted(modules_imported(path) & backends)
     ]
     assert outside == []
+
+
+def test_every_task_names_its_runs() -> None:
+    """Without ``task_run_name`` Prefect names a run ``probe-0d3``: a hash suffix people cannot
+    search for in the UI or the logs."""
+    tasks = []
+    for path in sorted((ROOT / "tasks").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            for decorator in node.decorator_list:
+                func = getattr(decorator, "func", None)
+                if getattr(func, "id", None) == "task":
+                    named = {k.arg for k in decorator.keywords}  # type: ignore[attr-defined]
+                    tasks.append((f"{path.relative_to(ROOT)}:{node.name}", named))
+    assert len(tasks) > 15  # the walk finds the steps' tasks at all
+    assert [where for where, named in tasks if "task_run_name" not in named] == []
