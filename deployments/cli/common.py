@@ -35,7 +35,28 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def _version(shown: bool) -> None:
+    if shown:
+        from importlib.metadata import version
+
+        typer.echo(f"vllm-redeploy {version('vllm-redeploy')} (Prefect {version('prefect')})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    _: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the versions and exit."
+        ),
+    ] = False,
+) -> None:
+    """Bring a multi-node vLLM server back by itself."""
 
 
 # Piped output is not cut at 80 columns: it goes to logs and other programs.
