@@ -30,8 +30,8 @@ from vllm_redeploy.status import ClusterStatus, GpuStatus, NodeStatus, collect_s
 
 @app.command()
 def status(config: ConfigsOption = CONFIGS_DEFAULT, as_json: JsonOption = False) -> None:
-    """The deployment now: nodes, containers, GPUs, Ray, endpoint, probe; one screen per
-    cluster (repeat --config). Exit 0 iff every cluster is healthy."""
+    """The deployment now: nodes, containers, GPUs, the group (Ray's members), endpoint, probe;
+    one screen per cluster (repeat --config). Exit 0 iff every cluster is healthy."""
     clusters = load_all_or_exit(config)
     found = find_api(clusters, config)
     unknown = _unknown_standing(found)
