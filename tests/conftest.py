@@ -6,7 +6,6 @@ state make their own containers and clean them up.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -23,7 +22,15 @@ import pytest
 from tests.fuzz import describe_profile
 from tests.testbed.bed import TestBed, bed_ip
 from tests.testbed.dockerd import DockerEngine
-from tests.testbed.procs import claim, free_port, spawn, stop, sweep_abandoned, wait_until
+from tests.testbed.procs import (
+    claim,
+    drain_prefect_workers,
+    free_port,
+    spawn,
+    stop,
+    sweep_abandoned,
+    wait_until,
+)
 from tests.testbed.sshd import SSHServer, keygen
 from vllm_redeploy.nodes import SSHRunner, SSHTarget
 
@@ -174,19 +181,8 @@ def prefect_server(workdir: Path) -> Iterator[str]:
         wait_until(lambda: _healthy(f"{url}/health"), 90, "prefect server", log)
         yield url
     finally:
-        _drain_prefect_workers()
+        drain_prefect_workers()  # while the server still answers
         stop(proc, grace=15)
-
-
-def _drain_prefect_workers() -> None:
-    """Send queued logs and events while the server still answers: left for the exit, each
-    batch is retried with backoff against a stopped server (about a minute)."""
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-
-    for worker in (APILogWorker, EventsWorker):
-        with contextlib.suppress(Exception):
-            worker.drain_all(timeout=15)
 
 
 def _healthy(url: str) -> bool:

@@ -21,7 +21,7 @@ from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from tests.testbed.procs import free_port, wait_until
+from tests.testbed.procs import drain_prefect_workers, free_port, wait_until
 
 # Which requests fail: (method, path under /api, JSON body) -> True to answer 500.
 Cue = Callable[[str, str, object], bool]
@@ -120,5 +120,10 @@ def flaky_api(upstream: str, cue: Cue = never, delay: Delay | None = None) -> It
     try:
         yield proxy
     finally:
+        # Prefect's events and logs workers are one per process, bound to the API URL they
+        # started with: a flow run in this process through the proxy leaves them sending to it.
+        # Flushed and stopped while it still answers, the next ones start at the current URL
+        # (else a later test's events go to a closed port).
+        drain_prefect_workers()
         server.should_exit = True
         thread.join(10)

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 
 def wait_until(
     check: Callable[[], bool], timeout: float, what: str, log: Path | None = None
@@ -211,3 +213,23 @@ def kill_in_container(container: Any, fragment: str) -> int:
         raise LookupError(f"no {fragment!r} in {container.name}: {top['Processes']}")
     os.kill(found[0], signal.SIGKILL)
     return found[0]
+
+
+def answers(url: str, timeout: float = 2.0) -> bool:
+    """Whether ``url`` answers 200 now (a server's health, while it starts)."""
+    try:
+        return httpx.get(url, timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def drain_prefect_workers(timeout: float = 15) -> None:
+    """Send this process's queued Prefect logs and events, then stop their workers: each is
+    one per process and bound to the API it started with (the next one starts at the current
+    API). Left for the exit, each batch is retried with backoff against a stopped server."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        with contextlib.suppress(Exception):
+            worker.drain_all(timeout=timeout)
