@@ -14,8 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 
 def wait_until(
     check: Callable[[], bool], timeout: float, what: str, log: Path | None = None
@@ -217,6 +215,8 @@ def kill_in_container(container: Any, fragment: str) -> int:
 
 def answers(url: str, timeout: float = 2.0) -> bool:
     """Whether ``url`` answers 200 now (a server's health, while it starts)."""
+    import httpx  # here: the bed's namespace holder imports this module with the system Python
+
     try:
         return httpx.get(url, timeout=timeout).status_code == 200
     except httpx.HTTPError:
