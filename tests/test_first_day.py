@@ -34,7 +34,7 @@ from deployments.webhook import SECRET_ENV
 from tests.conftest import make_bed
 from tests.testbed.bed import TestBed
 from tests.testbed.node import EmulatedNode
-from tests.testbed.procs import free_port, wait_until
+from tests.testbed.procs import answers, free_port, wait_until
 from vllm_redeploy.config import load_config
 from vllm_redeploy.nodes import Runner, runner_for
 
@@ -98,13 +98,6 @@ def _checkout(work: Path) -> Path:
 def _edit(shell: Shell, path: str, text: str) -> None:
     """What the operator adds with sudoedit: appended, through sudo, the text on stdin."""
     shell([*SUDO, "sh", "-c", 'cat >> "$1"', "sh", path], stdin=text)
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +164,7 @@ def _first_day(bed: TestBed, controller: EmulatedNode, shell: Shell, work: Path)
     assert scan, first
     shell(["sh", "-c", scan.group(1)])
     shell([*SUDO, "systemctl", "start", "vllm-redeploy-prefect"])
-    wait_until(lambda: _answers(f"{api}/health"), SERVER_START_S, "the Prefect server's unit")
+    wait_until(lambda: answers(f"{api}/health"), SERVER_START_S, "the Prefect server's unit")
     return Day(bed, controller, shell, api, webhook, first.splitlines())
 
 
@@ -207,7 +200,7 @@ def test_the_first_run_by_hand_serves_then_the_services_and_the_notifiers_take_o
     shell([*SUDO, "systemctl", "start", *units])
     for unit in units:
         assert day.controller.systemctl("is-active", unit).stdout == "active\n", unit
-    wait_until(lambda: _answers(f"{day.webhook}/healthz"), 60, "the webhook's unit")
+    wait_until(lambda: answers(f"{day.webhook}/healthz"), 60, "the webhook's unit")
     # serve registered the cluster's deployments, the nightly one on the file's schedule.
     env = shell([*SUDO, "cat", f"/etc/vllm-redeploy/{CLUSTER}.env"]).stdout
     auth = next(v for k, _, v in (x.partition("=") for x in env.splitlines()) if k == AUTH_CLIENT)

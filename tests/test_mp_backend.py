@@ -272,7 +272,7 @@ def test_a_frozen_follower_hangs_the_group_and_status_says_so(mp_bed: TestBed) -
 
 class Together(mp_launch.MpBackend):
     """A toy third backend: vLLM's own launcher with every rank started in one step. A real
-    one is its own object of launch/backend.py's shape, given to ``register``."""
+    one is its own Backend subclass (launch/backend.py), given to ``register``."""
 
     name = "all"
     words = "toy"

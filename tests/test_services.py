@@ -50,7 +50,7 @@ from tests.test_config import MINIMAL
 from tests.test_webhook import notice, signed
 from tests.testbed.bed import TestBed
 from tests.testbed.node import EmulatedNode
-from tests.testbed.procs import descendants, free_port, wait_until
+from tests.testbed.procs import answers, descendants, free_port, wait_until
 from tests.testbed.standins.units import parse_ini
 from vllm_redeploy.config import ConfigError, load_config
 from vllm_redeploy.config.loading import cluster_env_file
@@ -699,7 +699,7 @@ def controller(bed: TestBed, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             started = node.systemctl("start", "vllm-redeploy-prefect.service")
             assert started.returncode == 0, started.stderr
             wait_until(
-                lambda: _answers(f"{api}/health"),
+                lambda: answers(f"{api}/health"),
                 SERVER_START_S,
                 "the Prefect server's unit",
             )
@@ -718,13 +718,6 @@ def give_services_ssh(bed: TestBed, node: EmulatedNode) -> None:
         owner = ["-o", SERVICE_USER, "-g", SERVICE_USER]
         done = node.run(["install", "-m", "0600", *owner, str(source), f"{ssh}/{name}"])
         assert done.returncode == 0, done.stderr
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def read_env_on(node: EmulatedNode, path: str) -> dict[str, str]:
@@ -790,7 +783,7 @@ def test_the_prefect_unit_listens_on_loopback_only_and_keeps_its_auth_string_off
     # The node's own address is this machine's too (a loopback one): the server is not there.
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://{controller.node.ip}:{port}/api/health", timeout=5)
-    assert _answers(f"{controller.api}/health")
+    assert answers(f"{controller.api}/health")
     shown = controller.systemctl("show", "-p", "MainPID", "--value", "vllm-redeploy-prefect")
     main = int(shown.stdout)
     assert main > 0
@@ -821,7 +814,7 @@ def test_the_webhook_unit_answers_and_its_events_reach_prefect_with_the_auth_str
 ) -> None:
     with controller.running("webhook") as webhook:
         controller.wait_for(
-            webhook, lambda: _answers(f"{controller.webhook}/healthz"), 60, "the webhook's unit"
+            webhook, lambda: answers(f"{controller.webhook}/healthz"), 60, "the webhook's unit"
         )
         boot_id = str(uuid.uuid4())
         body, headers = signed(controller.secret, notice(NODE, boot_id))

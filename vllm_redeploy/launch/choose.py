@@ -3,7 +3,7 @@
 ``[vllm] backend`` names one, or ``auto``: the first backend, in the registry's order, that
 runs on the image (each asks the image its own question: Ray's, a one-shot container on the
 head, whether `ray` runs there), so Ray where the image carries it, else vLLM's own launcher.
-A new backend is an object of launch/backend.py's shape, given to :func:`register`.
+A new backend is a subclass of launch/backend.py's Backend, given to :func:`register`.
 """
 
 from __future__ import annotations

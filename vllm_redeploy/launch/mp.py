@@ -16,11 +16,10 @@ use). A follower never joins a new leader: the group is always started and remov
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Mapping
 
 from vllm_redeploy.config import ClusterConfig, NodeConfig
-from vllm_redeploy.launch.backend import GroupStatus
+from vllm_redeploy.launch.backend import Backend
 from vllm_redeploy.launch.group import (
     ENGINE_ROLE,
     NodeFabric,
@@ -29,10 +28,9 @@ from vllm_redeploy.launch.group import (
     node_env,
     serve_args,
 )
-from vllm_redeploy.launch.plan import LaunchPlan, Member, Phase, Settle
+from vllm_redeploy.launch.plan import LaunchPlan, Member, Phase
 from vllm_redeploy.names import container_name
 from vllm_redeploy.nodes.containers import ContainerSpec
-from vllm_redeploy.nodes.docker import NodeDocker
 
 BACKEND = "mp"
 LEADER_ROLE = "leader"
@@ -110,48 +108,18 @@ def mp_spec(
     )
 
 
-class MpBackend:
+class MpBackend(Backend):
     """vLLM's own multi-node launcher: `vllm serve` on every node, ranked. Asks the image
-    nothing: every vLLM image has it."""
+    nothing (every vLLM image has it) and keeps no list of its own: its ranks are the
+    containers."""
 
     name = BACKEND
     words = "vLLM's own multi-node launcher"
-    condition = ""
-    absent = ""
 
     def plan(
         self, config: ClusterConfig, fabric: Mapping[str, NodeFabric] | None, reason: str
     ) -> LaunchPlan:
         return plan(config, fabric, reason)
-
-    def question(self, config: ClusterConfig) -> ContainerSpec | None:
-        return None
-
-    def answer(self, exit_code: int, output: str) -> str | None:
-        return None
-
-    def found(self, answer: str | None) -> str | None:
-        return ""
-
-    def refusal(self, config: ClusterConfig, answer: str | None) -> str | None:
-        return None
-
-    def look(
-        self, docker: NodeDocker, config: ClusterConfig, running: Collection[str]
-    ) -> GroupStatus:
-        return GroupStatus(self.name)  # the ranks are the containers: nothing more to ask
-
-    def settle(
-        self,
-        settle: Settle,
-        config: ClusterConfig,
-        docker_of: Callable[[str], NodeDocker],
-        log: logging.Logger | logging.LoggerAdapter,
-    ) -> GroupStatus:
-        raise ValueError(f"the mp backend has no phase that settles by {settle!r}")
-
-    def diagnostics(self, docker: NodeDocker, config: ClusterConfig) -> str:
-        return ""  # the ranks' own logs say it all
 
 
 MP = MpBackend()

@@ -9,7 +9,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 
 from vllm_redeploy.config import ClusterConfig, NodeConfig
-from vllm_redeploy.launch.backend import GroupMember, GroupStatus
+from vllm_redeploy.launch.backend import Backend, GroupMember, GroupStatus
 from vllm_redeploy.launch.group import (
     ENGINE_ROLE,
     PER_NODE_VARS,
@@ -270,7 +270,7 @@ def membership_problems(config: ClusterConfig, members: list[RayMember]) -> list
     return problems
 
 
-class RayBackend:
+class RayBackend(Backend):
     """Ray's: a Ray cluster of the nodes (`ray start`), then one `vllm serve` on the head whose
     workers Ray places. It asks the image whether Ray runs there."""
 
