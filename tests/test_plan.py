@@ -9,12 +9,15 @@ import pytest
 
 from vllm_redeploy.config import ClusterConfig, load_config
 from vllm_redeploy.launch import launch_fingerprint, plan_for
+from vllm_redeploy.launch.backend import Backend
 from vllm_redeploy.launch.choose import (
+    BACKENDS,
     asks_the_image,
     backend_problem,
     candidates,
     choose,
     refusal,
+    register,
 )
 from vllm_redeploy.launch.fingerprint import launch_changed, ray_era_fingerprint
 from vllm_redeploy.launch.group import NodeFabric, container_argv
@@ -234,3 +237,30 @@ def test_a_name_the_registry_does_not_hold_is_a_configuration_problem() -> None:
     )
     with pytest.raises(ValueError, match="got 'torchrun'"):
         choose(unknown, {})
+
+
+def test_a_registered_backend_takes_its_place_in_autos_order() -> None:
+    """One that asks the image goes before mp, which runs on any image; one that asks nothing
+    after it, where only a configuration that names it reaches it."""
+
+    class Asks(Backend):
+        name, condition, absent = "asks", "the image carries X", "the image carries no X"
+
+        def found(self, answer: str | None) -> str | None:
+            return f"the image carries X at {answer}" if answer else None
+
+    class Named(Backend):
+        name = "named"
+
+    try:
+        register(Asks())
+        register(Named())
+        assert list(BACKENDS) == ["ray", "asks", "mp", "named"]
+        auto = with_backend("auto")
+        assert choose(auto, {"asks": "/x"}) == ("asks", "asks (the image carries X at /x)")
+        assert choose(auto, {})[0] == "mp"
+        assert backend_problem(with_backend("named")) is None
+    finally:
+        BACKENDS.pop("asks", None)
+        BACKENDS.pop("named", None)
+    assert list(BACKENDS) == ["ray", "mp"]

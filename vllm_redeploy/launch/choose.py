@@ -26,11 +26,16 @@ Answers = Mapping[str, str | None]  # each backend's answer, by name, as the ima
 
 
 def register(backend: Backend) -> Backend:
-    """Add a backend, taken by ``auto`` before those that ask the image nothing."""
-    kept = {n: b for n, b in BACKENDS.items() if b.condition}
+    """Add a backend. One that asks the image is tried by ``auto`` before those that ask
+    nothing; one that asks nothing comes after them (auto never reaches it: a configuration
+    names it)."""
+    if not backend.condition:
+        BACKENDS[backend.name] = backend
+        return backend
+    asking = {n: b for n, b in BACKENDS.items() if b.condition}
     rest = {n: b for n, b in BACKENDS.items() if not b.condition}
     BACKENDS.clear()
-    BACKENDS.update({**kept, backend.name: backend, **rest})
+    BACKENDS.update({**asking, backend.name: backend, **rest})
     return backend
 
 
