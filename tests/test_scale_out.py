@@ -360,7 +360,7 @@ def work_window(url: str, run: dict[str, Any]) -> tuple[float, float]:
             break
         assert time.monotonic() < deadline, f"{run['name']}: task runs missing from the API"
         time.sleep(1)
-    inside = [t for t in tasks.values() if not t["name"].startswith(f"{guard_run.name}-")]
+    inside = [t for t in tasks.values() if t["name"] != guard_run.task_run_name]
     starts = [stamp(t["start_time"]) for t in inside if t["start_time"]]
     assert starts, f"{run['name']} ran no step on its cluster"
     return min(starts), max(stamp(t["end_time"]) for t in inside)
