@@ -122,6 +122,32 @@ def test_nothing_is_listed_unless_named(node_docker: NodeDocker, engine) -> None
     assert node_docker.list_containers() == []
 
 
+def test_a_container_removed_while_listing_is_left_out(dockerd: DockerEngine, engine) -> None:  # type: ignore[no-untyped-def]
+    """Listing is one call for the IDs, then one inspect per container; a container removed in
+    between (preflight's `docker run --rm` of the image, on the same node, at the same time) is
+    gone, not an error that fails the run."""
+    node_docker = node_docker_for(LocalRunner("node-a"), dockerd.url)
+    tag = _unique("churn")
+    names = [f"{tag}-{i}" for i in range(30)]
+    for name in names:
+        engine.made.append(name)
+        engine.containers.create("vrd-test/busybox:1", ["true"], name=name, labels={"t": tag})
+
+    def remove_all() -> None:
+        for name in names:
+            engine.containers.get(name).remove(force=True)
+
+    with ThreadPoolExecutor(1) as pool:
+        removing = pool.submit(remove_all)
+        while not removing.done():
+            named, labelled = node_docker.list_matching_and_labelled([f"{tag}-*"], {"t": tag})
+            assert {c.name for c in named} == {c.name for c in labelled} <= set(names)
+            assert {c.name for c in node_docker.list_containers([f"{tag}-*"])} <= set(names)
+        removing.result()
+    assert node_docker.list_containers([f"{tag}-*"]) == []
+    node_docker.close()
+
+
 def test_run_detached_with_labels_env_logs_wait(node_docker: NodeDocker, engine) -> None:  # type: ignore[no-untyped-def]
     name = _unique("vrd-head")
     engine.made.append(name)

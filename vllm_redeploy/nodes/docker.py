@@ -327,8 +327,11 @@ class NodeDocker:
         if not name_patterns and not labels:
             return []
         filters = {"label": [f"{k}={v}" for k, v in labels.items()]} if labels else None
+        # The SDK lists IDs, then inspects each: one removed in between (a `docker run --rm`
+        # on the same node, such as preflight's look at the image) is gone, not an error.
         found = self._call(
-            "list containers", lambda: self._client.containers.list(all=True, filters=filters)
+            "list containers",
+            lambda: self._client.containers.list(all=True, filters=filters, ignore_removed=True),
         )
         if name_patterns:
             found = _named(found, name_patterns)
@@ -339,7 +342,10 @@ class NodeDocker:
     ) -> tuple[list[ContainerInfo], list[ContainerInfo]]:
         """(containers whose name matches a pattern, containers carrying all ``labels``), from
         one listing of the node's containers instead of two calls."""
-        found = self._call("list containers", lambda: self._client.containers.list(all=True))
+        found = self._call(
+            "list containers",
+            lambda: self._client.containers.list(all=True, ignore_removed=True),
+        )
         named = _named(found, name_patterns)
         wanted = set(labels.items())
         labelled = [c for c in found if wanted <= set((c.labels or {}).items())]
