@@ -211,7 +211,7 @@ def no_temporary_server_ran(cluster: Cluster) -> bool:
 @pytest.mark.integration
 def test_run_without_any_api_is_refused_and_touches_nothing(cluster: Cluster) -> None:
     done = cluster.cli("run")
-    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.returncode == 3, done.stdout + done.stderr
     assert done.stdout == "" and "Traceback" not in done.stderr
     paragraph = " ".join(done.stderr.split())
     assert paragraph.startswith(f"cluster {cluster.name}: no Prefect API found."), paragraph
@@ -226,7 +226,7 @@ def test_run_without_any_api_is_refused_and_touches_nothing(cluster: Cluster) ->
 @pytest.mark.parametrize("command", [["pause", "--reason", "firmware"], ["resume"]])
 def test_pause_and_resume_without_any_api_are_refused(cluster: Cluster, command: list[str]) -> None:
     done = cluster.cli(*command)
-    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.returncode == 3, done.stdout + done.stderr
     assert "paused" not in done.stdout and "cleared" not in done.stdout
     paragraph = " ".join(done.stderr.split())
     assert "no Prefect API found. PREFECT_API_URL is not set" in paragraph
@@ -319,7 +319,7 @@ def test_an_api_that_does_not_answer_is_named_and_nothing_is_touched(cluster: Cl
     url = f"http://127.0.0.1:{free_port('127.0.0.1')}/api"
     for command in (["run"], ["pause", "--reason", "x"]):
         done = cluster.cli(*command, PREFECT_API_URL=url)
-        assert done.returncode == 1, done.stdout + done.stderr
+        assert done.returncode == 3, done.stdout + done.stderr
         said = " ".join(done.stderr.split())
         assert said.startswith(
             f"the Prefect API at {url} (PREFECT_API_URL in the environment) does not answer ("
@@ -357,7 +357,7 @@ def test_a_temporary_api_that_does_not_come_up_is_one_paragraph_and_touches_noth
     done = cluster.cli(
         "run", "--temporary-api", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="0"
     )
-    assert done.returncode == 1 and done.stdout == "", done.stdout + done.stderr
+    assert done.returncode == 3 and done.stdout == "", done.stdout + done.stderr
     said = " ".join(done.stderr.split())
     assert "The temporary Prefect API did not come up (Timed out" in said, said
     assert "nothing was run and no node was touched" in said
@@ -444,7 +444,7 @@ def test_a_wrong_auth_string_is_named_not_a_traceback(cluster: Cluster, auth_ser
     wrong = "vllm-redeploy:" + uuid.uuid4().hex
     installed(cluster, auth_server, wrong)
     done = cluster.cli("pause", "--reason", "x")
-    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.returncode == 3, done.stdout + done.stderr
     said = " ".join(done.stderr.split())
     assert said.startswith(
         f"the Prefect API at {auth_server} (PREFECT_API_URL of the installed unit"

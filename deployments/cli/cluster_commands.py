@@ -15,8 +15,10 @@ import typer
 from rich.table import Table
 
 from deployments.cli.common import (
+    CHECKS,
     EXIT_CONFIG,
-    EXIT_UNREACHABLE,
+    EXIT_FAILED,
+    SETUP,
     ConfigOption,
     JsonOption,
     app,
@@ -45,7 +47,7 @@ from vllm_redeploy.safe_text import for_terminal, shown
 EXAMPLE = "cluster.example.toml"  # shipped in the deployments package
 
 
-@app.command()
+@app.command(rich_help_panel=SETUP)
 def init(
     config: Annotated[Path, typer.Argument(help="Where to write it.")] = DEFAULT_CONFIG,
 ) -> None:
@@ -68,7 +70,7 @@ def init(
     )
 
 
-@app.command("check-config")
+@app.command("check-config", rich_help_panel=CHECKS)
 def check_config(config: ConfigOption = Path("cluster.toml"), as_json: JsonOption = False) -> None:
     """Validate the configuration and print it resolved (secrets masked)."""
     cluster = load_or_exit(config)
@@ -111,7 +113,7 @@ def settings_toml(cluster: ClusterConfig) -> list[str]:
     ]
 
 
-@app.command()
+@app.command(rich_help_panel=CHECKS)
 def nodes(config: ConfigOption = Path("cluster.toml"), as_json: JsonOption = False) -> None:
     """Contact every node in parallel: reachable, SSH round trip, Docker version."""
     cluster = load_or_exit(config)
@@ -136,7 +138,7 @@ def nodes(config: ConfigOption = Path("cluster.toml"), as_json: JsonOption = Fal
             )
         out.print(table)
     if not all(r.reachable and r.docker_version for r in reports):
-        raise typer.Exit(EXIT_UNREACHABLE)
+        raise typer.Exit(EXIT_FAILED)
 
 
 def _fabric_cell(fabric: dict[str, Any] | None) -> str:
@@ -154,7 +156,7 @@ def _fabric_cell(fabric: dict[str, Any] | None) -> str:
     return markup_safe(where) + "\n" + ("\n".join(hcas) if hcas else "no RDMA HCA")
 
 
-@app.command()
+@app.command(rich_help_panel=CHECKS)
 def fabric(
     log: Annotated[Path, typer.Option("--log", help="A saved log with NCCL's INFO lines.")],
     as_json: JsonOption = False,
@@ -182,15 +184,17 @@ def fabric(
                 line += f" over {', '.join(rank.hcas)}"
             out.print(for_terminal(line), markup=False, highlight=False)
     if verdict.transport != "rdma":
-        raise typer.Exit(EXIT_UNREACHABLE)
+        raise typer.Exit(EXIT_FAILED)
 
 
-@app.command()
+@app.command(rich_help_panel=CHECKS)
 def probe(
     config: ConfigOption = Path("cluster.toml"),
-    url: Annotated[str | None, typer.Option(help="Base URL, e.g. http://head:30000")] = None,
-    model: Annotated[str | None, typer.Option(help="Served model name")] = None,
-    max_tokens: Annotated[int | None, typer.Option(help="Token budget")] = None,
+    url: Annotated[
+        str | None, typer.Option(metavar="URL", help="Base URL, e.g. http://head:30000")
+    ] = None,
+    model: Annotated[str | None, typer.Option(metavar="NAME", help="Served model name")] = None,
+    max_tokens: Annotated[int | None, typer.Option(metavar="N", help="Token budget")] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Send the reasoning-aware sanity probe (with vLLM's API key when one is set: the
@@ -215,10 +219,10 @@ def probe(
         out.print(f"[{colour}]{state}[/]: ", end="", highlight=False)
         out.print(for_terminal(verdict.detail), markup=False, highlight=False)
     if not verdict.healthy:
-        raise typer.Exit(EXIT_UNREACHABLE)
+        raise typer.Exit(EXIT_FAILED)
 
 
-@app.command("check-gpus")
+@app.command("check-gpus", rich_help_panel=CHECKS)
 def check_gpus(config: ConfigOption = Path("cluster.toml"), as_json: JsonOption = False) -> None:
     """Are the GPUs of every node free? Exit 0 iff all are clear."""
     cluster = load_or_exit(config)
@@ -256,4 +260,4 @@ def check_gpus(config: ConfigOption = Path("cluster.toml"), as_json: JsonOption 
             for problem in row["problems"]:
                 out.print(f"  {for_terminal(problem)}", markup=False, highlight=False)
     if not all(row["clear"] for row in rows):
-        raise typer.Exit(EXIT_UNREACHABLE)
+        raise typer.Exit(EXIT_FAILED)

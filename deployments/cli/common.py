@@ -4,13 +4,15 @@ configuration with a one-paragraph error (exit 2) instead of a traceback.
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperArgument, TyperGroup, TyperOption
 
 from vllm_redeploy.config import (
     CONFIG_VARIABLE,
@@ -24,17 +26,65 @@ from vllm_redeploy.config.runs import DEFAULT_NIGHTLY
 from vllm_redeploy.launch.choose import backend_problem
 from vllm_redeploy.safe_text import for_terminal, shown
 
-EXIT_CONFIG = 2  # bad input, like argparse and click
+# Exit codes, one per thing a script would do about it (docs/operations.md lists them).
+EXIT_FAILED = 1  # the operation ran and failed, or found the cluster unhealthy
+EXIT_CONFIG = 2  # bad input (a flag, the configuration), like argparse and click
+EXIT_CONTROLLER = 3  # the controller's Prefect API is not found, does not answer or refuses us
+
+# The panels of --help, in this order; each command names its own.
+EVERYDAY = "Everyday"
+CHECKS = "Checks"
+SETUP = "Set up"
+SERVICES = "Services (run by the installed units)"
+PANELS = (EVERYDAY, CHECKS, SETUP, SERVICES)
+FIRST = ("run", "status", "logs", "runs", "stop", "pause", "resume")  # typed most, listed first
 
 
-EXIT_UNREACHABLE = 1
+class Commands(TyperGroup):
+    """The commands as people read them in --help: grouped by use, a flag shown as a flag (not
+    as ``<bool>``), each command's help on one line in the list."""
+
+    def list_commands(self, ctx: typer.Context) -> list[str]:
+        def place(name: str) -> tuple[int, int]:
+            named = getattr(self.commands[name], "rich_help_panel", None)
+            panel = PANELS.index(named) if named in PANELS else len(PANELS)
+            return panel, FIRST.index(name) if name in FIRST else len(FIRST)
+
+        return sorted(super().list_commands(ctx), key=place)  # stable: else as registered
+
+    def get_command(self, ctx: typer.Context, cmd_name: str) -> Any:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            _as_flags(command.get_params(ctx))
+            if command.short_help is None and command.help:
+                first = inspect.cleandoc(command.help).split("\n\n", 1)[0]
+                command.short_help = " ".join(first.split())
+        return command
+
+    def get_params(self, ctx: typer.Context) -> Any:
+        return _as_flags(super().get_params(ctx))
+
+
+def _as_flags(params: list[Any]) -> list[Any]:
+    """Typer shows a type beside every parameter (``--dry-run <bool>``, ``NODE <str>``): a flag
+    gets none, and an argument none beside the name its metavar gives it."""
+    for param in params:
+        if isinstance(param, TyperOption) and param.is_flag and param.metavar is None:
+            param.metavar = ""
+        elif isinstance(param, TyperArgument) and param.metavar is not None:
+            param.display_type_rich = _no_type  # type: ignore[method-assign]
+    return params
+
+
+def _no_type(ctx: typer.Context) -> None:
+    return None
 
 
 app = typer.Typer(
+    cls=Commands,
     help="Bring a multi-node vLLM server back by itself.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    add_completion=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 

@@ -16,8 +16,11 @@ import typer
 
 from deployments.cli.common import (
     CONFIGS_DEFAULT,
+    EVERYDAY,
     EXIT_CONFIG,
-    EXIT_UNREACHABLE,
+    EXIT_FAILED,
+    SERVICES,
+    SETUP,
     ConfigOption,
     ConfigsOption,
     app,
@@ -31,7 +34,7 @@ from vllm_redeploy.nodes import RemoteError
 from vllm_redeploy.safe_text import for_terminal, shown
 
 
-@app.command()
+@app.command(rich_help_panel=SERVICES)
 def serve(config: ConfigsOption = CONFIGS_DEFAULT) -> None:
     """Serve the nightly, after-reboot, recover and manual deployments of each cluster (repeat
     --config for several) from this process (no work pool)."""
@@ -44,7 +47,7 @@ def serve(config: ConfigsOption = CONFIGS_DEFAULT) -> None:
         serve_deployments(list(zip(clusters, config, strict=True)))
 
 
-@app.command()
+@app.command(rich_help_panel=SERVICES)
 def watch(config: ConfigsOption = CONFIGS_DEFAULT) -> None:
     """Watch clusters between runs; tell Prefect (vllm.cluster.unhealthy) when one goes down."""
     clusters = load_all_or_exit(config)
@@ -62,12 +65,18 @@ def watch(config: ConfigsOption = CONFIGS_DEFAULT) -> None:
             stop.set()
 
 
-@app.command()
+@app.command(rich_help_panel=EVERYDAY)
 def pause(
-    reason: Annotated[str, typer.Option("--reason", help="Why, for whoever looks (required).")],
+    reason: Annotated[
+        str, typer.Option("--reason", metavar="TEXT", help="Why, for whoever looks (required).")
+    ],
     for_: Annotated[
         str | None,
-        typer.Option("--for", help="For how long, e.g. 2h, 30m, 90s (default: until resume)."),
+        typer.Option(
+            "--for",
+            metavar="DURATION",
+            help="For how long, e.g. 2h, 30m, 90s (default: until resume).",
+        ),
     ] = None,
     config: ConfigOption = Path("cluster.toml"),
 ) -> None:
@@ -89,7 +98,7 @@ def pause(
         out.print("  no run of it is under way", markup=False, highlight=False)
 
 
-@app.command()
+@app.command(rich_help_panel=EVERYDAY)
 def resume(config: ConfigOption = Path("cluster.toml")) -> None:
     """End a pause and a crash-loop mark: automatic runs may touch the cluster again."""
     cluster = load_or_exit(config)
@@ -111,11 +120,15 @@ def _duration_s(text: str) -> float:
     return float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match[2]]
 
 
-@app.command()
+@app.command(rich_help_panel=SERVICES)
 def webhook(
     config: ConfigsOption = CONFIGS_DEFAULT,
-    host: Annotated[str | None, typer.Option(help="Bind address (default webhook.host)")] = None,
-    port: Annotated[int | None, typer.Option(help="Port (default webhook.port)")] = None,
+    host: Annotated[
+        str | None, typer.Option(metavar="ADDRESS", help="Bind address (default webhook.host)")
+    ] = None,
+    port: Annotated[
+        int | None, typer.Option(metavar="PORT", help="Port (default webhook.port)")
+    ] = None,
 ) -> None:
     """Run the reboot webhook: signed calls from the nodes become Prefect events. With several
     --config, one webhook serves each cluster at /clusters/NAME/reboot with its own secret."""
@@ -130,11 +143,13 @@ def webhook(
         raise typer.Exit(EXIT_CONFIG) from None
 
 
-@app.command("install-notifier")
+@app.command("install-notifier", rich_help_panel=SETUP)
 def install_notifier_command(
-    node: Annotated[str, typer.Argument(help="Node name from the configuration")],
+    node: Annotated[str, typer.Argument(metavar="NODE", help="Node name from the configuration")],
     config: ConfigOption = Path("cluster.toml"),
-    prefix: Annotated[str, typer.Option(help="Install below this root (test beds)")] = "/",
+    prefix: Annotated[
+        str, typer.Option(metavar="DIR", help="Install below this root (test beds)")
+    ] = "/",
 ) -> None:
     """Install the reboot notifier on NODE over SSH (idempotent); prints what changed."""
     cluster = load_or_exit(config)
@@ -151,21 +166,25 @@ def install_notifier_command(
     except RemoteError as exc:
         # One line however wide the terminal: the sudoers line in it is copied as it is.
         err.print(for_terminal(exc), markup=False, highlight=False, soft_wrap=True)
-        raise typer.Exit(EXIT_UNREACHABLE) from None
+        raise typer.Exit(EXIT_FAILED) from None
 
 
-@app.command("install-controller")
+@app.command("install-controller", rich_help_panel=SETUP)
 def install_controller_command(
     config: Annotated[
         Path | None,
         typer.Option("--config", "-c", help="Install as /etc/vllm-redeploy/<cluster>.toml"),
     ] = None,
     cluster: Annotated[
-        str | None, typer.Option(help="Cluster name (default: the configuration's name)")
+        str | None,
+        typer.Option(metavar="NAME", help="Cluster name (default: the configuration's name)"),
     ] = None,
-    prefix: Annotated[str, typer.Option(help="Install below this root (images, chroots)")] = "/",
+    prefix: Annotated[
+        str, typer.Option(metavar="DIR", help="Install below this root (images, chroots)")
+    ] = "/",
     bin_dir: Annotated[
-        str | None, typer.Option(help="Where the units find vllm-redeploy and prefect")
+        str | None,
+        typer.Option(metavar="DIR", help="Where the units find vllm-redeploy and prefect"),
     ] = None,
     enable: Annotated[bool, typer.Option("--enable", help="daemon-reload and enable")] = False,
 ) -> None:
@@ -199,10 +218,10 @@ def install_controller_command(
         )
     except (ValueError, InstallError) as exc:
         err.print(for_terminal(exc), markup=False, highlight=False)
-        raise typer.Exit(EXIT_CONFIG if isinstance(exc, ValueError) else 1) from None
+        raise typer.Exit(EXIT_CONFIG if isinstance(exc, ValueError) else EXIT_FAILED) from None
     except OSError as exc:  # a file it writes: read-only, no space, ...
         where = f"{exc.filename}: " if exc.filename else ""
         err.print(f"install-controller: {where}{for_terminal(exc.strerror or exc)}", markup=False)
-        raise typer.Exit(1) from None
+        raise typer.Exit(EXIT_FAILED) from None
     for line in lines:  # one line each, however wide: the commands in them are copied as they are
         out.print(for_terminal(line), markup=False, highlight=False, soft_wrap=True)

@@ -19,7 +19,7 @@ from typing import Annotated, NoReturn
 
 import typer
 
-from deployments.cli.common import EXIT_CONFIG, EXIT_UNREACHABLE, err
+from deployments.cli.common import EXIT_CONTROLLER, err
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.config.loading import cluster_env_file
 from vllm_redeploy.controller_api import (
@@ -169,15 +169,15 @@ def _refresh_prefect() -> None:
 def controller_or_exit(
     clusters: Sequence[ClusterConfig], paths: Sequence[Path], command: str, *, check: bool = True
 ) -> Iterator[ControllerApi]:
-    """The controller's API set for Prefect's client inside, or exit naming the fix: 2 when
-    none is found, 1 when it does not answer (``check``)."""
+    """The controller's API set for Prefect's client inside, or exit 3 naming the fix: none is
+    found, or it does not answer or refuses us (``check``)."""
     found = find_api(clusters, paths)
     if found.api is None:
         refuse(found, command)
     api = found.api
     if check and (problem := problem_with(api, api_key())) is not None:
         say(problem)
-        raise typer.Exit(EXIT_UNREACHABLE)
+        raise typer.Exit(EXIT_CONTROLLER)
     if api.source != ENVIRONMENT:
         say(f"Prefect API: {api.url} ({api.source})")
     with talking_to(api.environment()):
@@ -185,12 +185,12 @@ def controller_or_exit(
 
 
 def refuse(found: Found, command: str) -> NoReturn:
-    """Exit 2 with one paragraph: what was looked for, what it would do without, the fix."""
+    """Exit 3 with one paragraph: what was looked for, what it would do without, the fix."""
     without = _WITHOUT.get(command, "Without one, Prefect would start a temporary API of this "
                            "process that nothing else sees.")  # fmt: skip
     fix = found.fix() + (_TEMPORARY_FIX if command == "run" else "") + "."
     say(f"{found.problem} {without} {fix}")
-    raise typer.Exit(EXIT_CONFIG)
+    raise typer.Exit(EXIT_CONTROLLER)
 
 
 # Prefect gives its temporary API 20 s to come up; on a busy controller (its database made
@@ -223,7 +223,7 @@ def temporary_api(clusters: Sequence[ClusterConfig], paths: Sequence[Path]) -> I
             f"the command at the controller's Prefect API ({URL_VARIABLE}) instead of "
             f"--temporary-api."
         )
-        raise typer.Exit(EXIT_UNREACHABLE) from None
+        raise typer.Exit(EXIT_CONTROLLER) from None
     with talking_to({URL_VARIABLE: server.api_url}):
         yield
 

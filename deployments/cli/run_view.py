@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 from rich.columns import Columns
@@ -25,8 +25,8 @@ from rich.table import Table
 from rich.text import Text
 
 from deployments.cli.common import (
-    EXIT_CONFIG,
-    EXIT_UNREACHABLE,
+    EVERYDAY,
+    EXIT_FAILED,
     ConfigOption,
     app,
     err,
@@ -41,11 +41,12 @@ from vllm_redeploy.safe_text import for_terminal
 from vllm_redeploy.summary import StepEvent, listening
 
 
-@app.command("run")
+@app.command("run", rich_help_panel=EVERYDAY)
 def run_command(
     config: ConfigOption = Path("cluster.toml"),
     mode: Annotated[
-        str, typer.Option(help="redeploy, or ensure: only if not healthy")
+        Literal["redeploy", "ensure"],
+        typer.Option(help="redeploy, or ensure: only if not healthy"),
     ] = "redeploy",
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the plan, change nothing.")
@@ -57,9 +58,6 @@ def run_command(
 ) -> None:
     """Run the redeploy flow once, on the controller's Prefect API (PREFECT_API_URL, else the
     cluster's env file, else the installed units); refused when none is found."""
-    if mode not in ("redeploy", "ensure"):
-        err.print(f"--mode must be redeploy or ensure, not {mode!r}", highlight=False)
-        raise typer.Exit(EXIT_CONFIG)
     cluster = load_or_exit(config)
     if dry_run:  # asks the nodes only, never Prefect
         from vllm_redeploy.dry_run import plan_lines
@@ -92,15 +90,15 @@ def _run(cluster: ClusterConfig, config: Path, mode: str, keep_on_failure: bool)
     except StepFailed as exc:
         err.print(f"[bold red]failed at {exc.step}[/]: ", end="", highlight=False)
         err.print(for_terminal(exc.reason), markup=False, highlight=False)
-        raise typer.Exit(EXIT_UNREACHABLE) from None
+        raise typer.Exit(EXIT_FAILED) from None
     except RemoteError as exc:
         err.print("[bold red]failed[/]: ", end="", highlight=False)
         err.print(for_terminal(exc), markup=False, highlight=False)
-        raise typer.Exit(EXIT_UNREACHABLE) from None
+        raise typer.Exit(EXIT_FAILED) from None
     except CancelledRun as exc:  # paused while it worked: not served, and not a failure
         err.print("[bold yellow]cancelled[/]: ", end="", highlight=False)
         err.print(for_terminal(exc), markup=False, highlight=False)
-        raise typer.Exit(EXIT_UNREACHABLE) from None
+        raise typer.Exit(EXIT_FAILED) from None
     markdown = for_terminal(result.get("summary") or f"# {result['cluster']}: {result['action']}\n")
     if view is not None:
         out.print(Markdown(markdown))

@@ -13,7 +13,8 @@ from rich.table import Table
 
 from deployments.cli.common import (
     CONFIGS_DEFAULT,
-    EXIT_UNREACHABLE,
+    EVERYDAY,
+    EXIT_FAILED,
     ConfigsOption,
     JsonOption,
     app,
@@ -28,7 +29,7 @@ from vllm_redeploy.safe_text import for_terminal, one_line
 from vllm_redeploy.status import ClusterStatus, GpuStatus, NodeStatus, collect_status, duration
 
 
-@app.command()
+@app.command(rich_help_panel=EVERYDAY)
 def status(config: ConfigsOption = CONFIGS_DEFAULT, as_json: JsonOption = False) -> None:
     """The deployment now: nodes, containers, GPUs, the group (Ray's members), endpoint, probe;
     one screen per cluster (repeat --config). Exit 0 iff every cluster is healthy."""
@@ -56,7 +57,7 @@ def status(config: ConfigsOption = CONFIGS_DEFAULT, as_json: JsonOption = False)
                 out.rule(style="dim")
             print_status(report, standing, read_from=read_from)
     if not all(r.healthy for r in reports):
-        raise typer.Exit(EXIT_UNREACHABLE)
+        raise typer.Exit(EXIT_FAILED)
 
 
 def _unknown_standing(found: Found) -> str | None:

@@ -18,7 +18,8 @@ from rich.progress import (
 )
 
 from deployments.cli.common import (
-    EXIT_UNREACHABLE,
+    EVERYDAY,
+    EXIT_FAILED,
     ConfigOption,
     app,
     err,
@@ -45,7 +46,7 @@ from vllm_redeploy.sync.prune import unlinked_words
 from vllm_redeploy.sync.verify import differing, equal_but_retimed, set_times
 
 
-@app.command()
+@app.command(rich_help_panel=EVERYDAY)
 def sync(
     config: ConfigOption = Path("cluster.toml"),
     image: Annotated[
@@ -79,7 +80,7 @@ def sync(
             _unlinked(cluster, accesses, prune and not dry_run)
     except RemoteError as exc:
         err.print(f"sync failed: {markup_safe(exc)}", highlight=False, soft_wrap=True)
-        raise typer.Exit(EXIT_UNREACHABLE) from None
+        raise typer.Exit(EXIT_FAILED) from None
     finally:
         for access in accesses.values():
             access.close()
@@ -118,7 +119,7 @@ def _sync(
     if not plan.needs:
         out.print(f"every node holds what {plan.source} holds: nothing to copy")
         if plan.problems:
-            raise typer.Exit(EXIT_UNREACHABLE)
+            raise typer.Exit(EXIT_FAILED)
         return
     image_id = next(h.image_id for h in held if h.node == plan.source)
     routes = {
