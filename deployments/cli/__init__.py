@@ -11,6 +11,7 @@ from pathlib import Path
 from deployments.cli import (
     cluster_commands,
     controller_commands,
+    logs_command,
     run_view,
     status_view,
     sync_command,
@@ -21,6 +22,7 @@ __all__ = [
     "app",
     "cluster_commands",
     "controller_commands",
+    "logs_command",
     "main",
     "run_view",
     "status_view",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -159,6 +160,17 @@ CONFIGS_DEFAULT = [Path("cluster.toml")]
 
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def duration_s(flag: str, text: str) -> float:
+    """``2h``, ``30m``, ``90s``, ``1d`` or plain seconds; else exit 2 saying how to write it."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
+    if match is None:
+        err.print(
+            f"{flag} {shown(text)}: give a number with s, m, h or d, e.g. 2h or 30m", markup=False
+        )
+        raise typer.Exit(EXIT_CONFIG)
+    return float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match[2]]
 
 
 def markup_safe(value: object) -> str:

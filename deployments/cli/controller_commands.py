@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import threading
 from pathlib import Path
@@ -24,6 +23,7 @@ from deployments.cli.common import (
     ConfigOption,
     ConfigsOption,
     app,
+    duration_s,
     err,
     load_all_or_exit,
     load_or_exit,
@@ -83,7 +83,7 @@ def pause(
     """Maintenance: nothing automatic touches the cluster (watcher, recover, reboot, nightly),
     and the runs under way change nothing more; says what each of them does."""
     cluster = load_or_exit(config)
-    seconds = _duration_s(for_) if for_ else None
+    seconds = duration_s("--for", for_) if for_ else None
     from tasks.standing.marks import pause as pause_cluster
     from tasks.standing.runs import runs_at_hand
 
@@ -108,16 +108,6 @@ def resume(config: ConfigOption = Path("cluster.toml")) -> None:
         cleared = resume_cluster(cluster.name)
     what = " and ".join(cleared) or "nothing (it was neither paused nor crash-looping)"
     out.print(f"{cluster.name}: cleared {what}", markup=False, highlight=False)
-
-
-def _duration_s(text: str) -> float:
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
-    if match is None:
-        err.print(
-            f"--for {shown(text)}: give a number with s, m, h or d, e.g. 2h or 30m", markup=False
-        )
-        raise typer.Exit(EXIT_CONFIG)
-    return float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match[2]]
 
 
 @app.command(rich_help_panel=SERVICES)

@@ -15,7 +15,7 @@ import io
 import json
 import tarfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -454,6 +454,33 @@ class NodeDocker:
                 "utf-8", "replace"
             ),
         )
+
+    def log_lines(
+        self,
+        name: str,
+        *,
+        follow: bool = False,
+        since: float | None = None,
+        tail: int | str = "all",
+    ) -> Iterator[str]:
+        """The container's log line by line (stdout and stderr as Docker interleaves them):
+        its last ``tail`` lines, those after ``since`` (a Unix time); with ``follow``, then
+        each new line until the container stops."""
+        chunks = self._call(
+            f"read logs of {name}",
+            lambda: self._client.api.logs(name, stream=True, follow=follow, since=since, tail=tail),
+        )
+        pending = b""
+        try:
+            for chunk in chunks:
+                *lines, pending = (pending + chunk).split(b"\n")
+                yield from (line.decode("utf-8", "replace") for line in lines)
+        except (requests.exceptions.RequestException, paramiko.SSHException, OSError) as exc:
+            raise DockerError(
+                self.node, f"Docker on {self.node}: the log of {name} broke off: {exc}"
+            ) from None
+        if pending:
+            yield pending.decode("utf-8", "replace")
 
     def wait(self, name: str, timeout_s: float) -> int | None:
         """Wait for the container to exit: its exit code, or None if running at the deadline."""

@@ -1,0 +1,128 @@
+"""The operator's everyday commands on a served group (vLLM's own launcher, two nodes): what a
+person types by habit after `status`, as its own process, its output piped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from flows.redeploy import redeploy_vllm_cluster
+from tests.conftest import make_bed
+from tests.testbed.bed import TestBed
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]  # a bed and a flow run
+CLI = Path(sys.executable).parent / "vllm-redeploy"
+
+
+@pytest.fixture(scope="module")
+def served(prefect_api: str) -> Iterator[tuple[TestBed, Path]]:
+    bed = make_bed(2, "h200", first_ip=145)
+    try:
+        path = bed.write_config(bed.root / "run.toml", vllm={"env": {"VRD_LOAD_SECONDS": "1"}})
+        state = redeploy_vllm_cluster(str(path), "redeploy", return_state=True)
+        assert state.is_completed(), state.result(raise_on_failure=False)
+        yield bed, path
+    finally:
+        bed.down()
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(CLI), *args], capture_output=True, text=True, timeout=120, env=_plain_env()
+    )
+
+
+def _plain_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE")}
+
+
+def by_source(text: str) -> dict[str, list[str]]:
+    """Lines by their prefix ("node-1 leader"), prefix taken off."""
+    found: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        prefix, sep, rest = line.partition(" | ")
+        assert sep, f"a line without its node and role: {line!r}"
+        found.setdefault(prefix.strip(), []).append(rest)
+    return found
+
+
+def test_logs_of_every_member_prefixed_by_node_and_role(served: tuple[TestBed, Path]) -> None:
+    _, path = served
+    done = cli("logs", "-c", str(path))
+    assert done.returncode == 0, done.stderr
+    lines = by_source(done.stdout)
+    assert list(lines) == ["node-2 follower", "node-1 leader"]  # the plan's order: phases
+    assert all(0 < len(v) <= 100 for v in lines.values())  # --tail 100 by default
+    assert any("vLLM API server version" in line for line in lines["node-1 leader"])
+    assert any("rank 1" in line for line in lines["node-2 follower"]), lines["node-2 follower"]
+
+    follower = cli("logs", "-c", str(path), "--role", "follower", "--tail", "3")
+    assert follower.returncode == 0, follower.stderr
+    assert list(by_source(follower.stdout)) == ["node-2 follower"]
+    assert len(follower.stdout.splitlines()) == 3
+    assert (
+        follower.stdout.splitlines()
+        == done.stdout.splitlines()[
+            len(lines["node-2 follower"]) - 3 : len(lines["node-2 follower"])
+        ]
+    )
+    head = cli("logs", "-c", str(path), "--node", "node-1", "--tail", "all")
+    assert list(by_source(head.stdout)) == ["node-1 leader"]
+    assert len(head.stdout.splitlines()) >= len(lines["node-1 leader"])
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--role", "ray-worker"], "the group runs on mp, whose members are follower, leader"),
+        (["--node", "node-9"], "--node node-9: not a node of"),
+        (["--tail", "ten"], "--tail ten: give a number of lines, or all"),
+        (["--since", "yesterday"], "--since yesterday: give a number with s, m, h or d"),
+    ],
+)
+def test_logs_refuses_what_is_not_there_in_one_line(
+    served: tuple[TestBed, Path], args: list[str], said: str
+) -> None:
+    _, path = served
+    done = cli("logs", "-c", str(path), *args)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert said in done.stderr and "Traceback" not in done.stderr
+
+
+def test_logs_follow_prints_new_lines_as_they_come_until_interrupted(
+    served: tuple[TestBed, Path],
+) -> None:
+    bed, path = served
+    follow = subprocess.Popen(
+        [str(CLI), "logs", "-c", str(path), "-f", "--tail", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_plain_env(),
+    )
+    seen: list[str] = []
+    threading.Thread(target=lambda: seen.extend(follow.stdout), daemon=True).start()  # type: ignore[arg-type]
+    try:
+        marker = uuid.uuid4().hex
+        deadline = time.monotonic() + 60
+        while not [line for line in seen if marker in line] and time.monotonic() < deadline:
+            # a request the leader's access log records, with the marker in its request line
+            httpx.get(f"http://{bed.nodes[0].ip}:30000/v1/models?seen={marker}", timeout=5)
+            time.sleep(0.5)
+        marked = [line for line in seen if marker in line]
+        assert marked, seen
+        assert marked[0].startswith("node-1 leader   | "), marked
+    finally:
+        follow.send_signal(signal.SIGINT)
+        _, stderr = follow.communicate(timeout=30)
+    assert follow.returncode == 130 and "Traceback" not in stderr, stderr
