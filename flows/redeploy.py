@@ -62,7 +62,7 @@ from tasks.records import FLUSH_S
 from tasks.standing.lock import Hold, cluster_lock
 from tasks.standing.marks import clear_crashloop
 from tasks.standing.recoveries import SKIPPED, UNCHANGED
-from tasks.standing.runs import tag_this_run
+from tasks.standing.runs import named_run, run_name, tag_this_run
 from tasks.stop_autostart import stop_autostart
 from tasks.sync import sync_node
 from tasks.teardown import teardown_group
@@ -166,7 +166,7 @@ def _config_file(config_path: str | None) -> str | None:
     raise StepFailed("config", reason)
 
 
-@flow(name="redeploy-vllm-cluster", log_prints=True)
+@flow(name="redeploy-vllm-cluster", flow_run_name=run_name, log_prints=True)
 def redeploy_vllm_cluster(
     config_path: str | None = None,
     mode: Mode = "redeploy",
@@ -196,6 +196,7 @@ def redeploy_vllm_cluster(
         raise StepFailed("config", reason) from None
     run = Run(config)
     run.records.record("tags", lambda: tag_this_run(config.name))  # what `pause` finds it by
+    report(StepEvent("flow run", "named", detail=named_run()))
     summary = RunSummary(
         config.name,
         mode,

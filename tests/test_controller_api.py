@@ -262,7 +262,10 @@ def test_the_env_file_names_the_controller_for_pause_status_and_run(
 
     cluster.node.connections = 0
     run = cluster.cli("run")
-    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.returncode == 1, run.stderr[-2000:]  # nothing was done: a script must know
+    said = " ".join(run.stderr.split())
+    assert f"{cluster.name}: nothing was done (skipped: paused by " in said, said
+    assert "`vllm-redeploy run --override-pause` runs it anyway" in said
     (flow_run,) = flow_runs_of(prefect_server, cluster.path)
     assert flow_run["state_name"] == "Skipped", flow_run["state"]
     assert "changing the fabric cables" in flow_run["state"]["message"]

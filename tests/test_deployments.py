@@ -287,6 +287,8 @@ def test_two_node_reboots_lead_to_one_redeploy_once_both_reported(
     runs = runs_of(prefect_api, deployment["id"])
     assert len(runs) == 1, [(r["name"], r["state_type"]) for r in runs]
     assert runs[0]["state_type"] == "COMPLETED" and runs[0]["parameters"]["mode"] == "ensure"
+    # named when it started, as the UI lists it: cluster, trigger, mode
+    assert runs[0]["name"] == f"{load_config(path, env_file=None).name}-after-reboot-ensure"
     started = datetime.fromisoformat(runs[0]["start_time"]).timestamp()
     # Started on the second node's report, not reboot_delay_s after the first one's.
     assert started < sent[0] + REBOOT_DELAY_S

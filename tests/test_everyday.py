@@ -3,6 +3,7 @@ person types by habit after `status`, as its own process, its output piped."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -44,6 +45,11 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def _plain_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE")}
+
+
+def engine_id(bed: TestBed) -> str:
+    with contextlib.closing(bed.nodes[0].engine.client()) as client:
+        return str(client.containers.get("vllm-redeploy-bed-engine").id)
 
 
 def by_source(text: str) -> dict[str, list[str]]:
@@ -126,3 +132,24 @@ def test_logs_follow_prints_new_lines_as_they_come_until_interrupted(
         follow.send_signal(signal.SIGINT)
         _, stderr = follow.communicate(timeout=30)
     assert follow.returncode == 130 and "Traceback" not in stderr, stderr
+
+
+def test_run_on_a_paused_cluster_says_so_and_override_pause_runs_it(
+    served: tuple[TestBed, Path],
+) -> None:
+    bed, path = served
+    paused = cli("pause", "-c", str(path), "--reason", "reseating a cable")
+    assert paused.returncode == 0, paused.stderr
+    try:
+        before = engine_id(bed)
+        held = cli("run", "-c", str(path))
+        assert held.returncode == 1, held.stderr[-2000:]
+        assert held.stdout.startswith("flow run bed-manual-redeploy: http")
+        assert "nothing was done (skipped: paused by" in " ".join(held.stderr.split())
+        run = cli("run", "-c", str(path), "--override-pause")
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert "# bed: redeployed" in run.stdout
+        assert engine_id(bed) != before  # redeployed while paused, as asked
+        assert "paused by" in cli("status", "-c", str(path)).stdout  # the pause stays
+    finally:
+        assert cli("resume", "-c", str(path)).returncode == 0

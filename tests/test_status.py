@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from markdown_it import MarkdownIt
 from typer.testing import CliRunner
@@ -127,7 +128,16 @@ def test_the_run_command_piped_prints_a_line_per_step_then_the_summary(
     result = piped("run", "-c", str(path), env={"PREFECT_API_URL": prefect_api})
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert not ANSI.search(result.stdout)
-    lines = result.stdout.splitlines()
+    first, *lines = result.stdout.splitlines()
+    # the flow run first: its name (cluster, trigger, mode) and its page in the UI
+    ui = prefect_api.removesuffix("/api")
+    found = re.fullmatch(
+        rf"flow run bed-manual-redeploy: {re.escape(ui)}/runs/flow-run/(\S+)", first
+    )
+    assert found, first
+    flow_run = httpx.get(f"{prefect_api}/flow_runs/{found[1]}", timeout=10).json()
+    assert flow_run["name"] == "bed-manual-redeploy"
+    assert flow_run["parameters"]["config_path"] == str(path)
     steps = [line.split(":")[0] for line in lines[: lines.index("# bed: redeployed")]]
     assert steps == [
         "guard",

@@ -289,13 +289,14 @@ def _cell(text: str) -> str:
 
 # --- live progress ---------------------------------------------------------------------------
 
-StepState = Literal["running", "done", "failed", "loading", "copying"]
+StepState = Literal["named", "running", "done", "failed", "loading", "copying"]
 
 
 @dataclass(frozen=True)
 class StepEvent:
     """One change of a step: it started, ended, failed (``detail`` says why), loading moved, or
-    a copy to a node moved (``detail``: "<node>: ...")."""
+    a copy to a node moved (``detail``: "<node>: ..."); or, first, the run's name and link
+    (``named``, in ``detail``)."""
 
     step: str
     state: StepState

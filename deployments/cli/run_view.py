@@ -54,6 +54,14 @@ def run_command(
     keep_on_failure: Annotated[
         bool, typer.Option("--keep-on-failure", help="Leave a failed group running to debug it.")
     ] = False,
+    override_pause: Annotated[
+        bool,
+        typer.Option(
+            "--override-pause",
+            help="Run even while the cluster is paused or marked crash-looping (the pause "
+            "stays: automatic runs still leave it alone).",
+        ),
+    ] = False,
     temporary: TemporaryApiOption = False,
 ) -> None:
     """Run the redeploy flow once, on the controller's Prefect API (PREFECT_API_URL, else the
@@ -69,14 +77,17 @@ def run_command(
     os.environ.setdefault("DO_NOT_TRACK", "1")  # Prefect's client telemetry (3.9), separately
     if temporary:
         with temporary_api([cluster], [config]):
-            _run(cluster, config, mode, keep_on_failure)
+            _run(cluster, config, mode, keep_on_failure, override_pause)
         return
     with controller_or_exit([cluster], [config], "run"):
-        _run(cluster, config, mode, keep_on_failure)
+        _run(cluster, config, mode, keep_on_failure, override_pause)
 
 
-def _run(cluster: ClusterConfig, config: Path, mode: str, keep_on_failure: bool) -> None:
-    """The flow once, shown as it goes; its failure in words (exit 1)."""
+def _run(
+    cluster: ClusterConfig, config: Path, mode: str, keep_on_failure: bool, override_pause: bool
+) -> None:
+    """The flow once, shown as it goes; its failure, or why it changed nothing (paused), in
+    words (exit 1)."""
     from prefect.exceptions import CancelledRun
 
     from flows.redeploy import redeploy_vllm_cluster
@@ -85,8 +96,13 @@ def _run(cluster: ClusterConfig, config: Path, mode: str, keep_on_failure: bool)
     # In a terminal a live view of the steps; piped, one plain line per step.
     view = StepView(f"{cluster.name}: {mode}") if out.is_terminal else None
     try:
-        with _showing(view), listening(view or PlainSteps(out)):
-            result = redeploy_vllm_cluster(str(config), mode, keep_on_failure)  # type: ignore[arg-type]
+        with _showing(view), listening(_say_the_run), listening(view or PlainSteps(out)):
+            result = redeploy_vllm_cluster(
+                str(config),
+                mode,  # type: ignore[arg-type]
+                keep_on_failure,
+                override_pause=override_pause,
+            )
     except StepFailed as exc:
         err.print(f"[bold red]failed at {exc.step}[/]: ", end="", highlight=False)
         err.print(for_terminal(exc.reason), markup=False, highlight=False)
@@ -104,6 +120,21 @@ def _run(cluster: ClusterConfig, config: Path, mode: str, keep_on_failure: bool)
         out.print(Markdown(markdown))
     else:
         out.print(markdown, markup=False, highlight=False, soft_wrap=True, end="")
+    if result["action"].startswith("skipped"):  # held back: nothing was done
+        err.print(
+            f"{cluster.name}: nothing was done ({for_terminal(result['action'])}). `vllm-redeploy "
+            "run --override-pause` runs it anyway; `vllm-redeploy resume` ends the pause.",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(EXIT_FAILED)
+
+
+def _say_the_run(event: StepEvent) -> None:
+    """The flow run's name and link, first, and kept (above the live view, in a terminal)."""
+    if event.state == "named":
+        out.print(for_terminal(event.detail), markup=False, highlight=False, soft_wrap=True)
 
 
 @contextlib.contextmanager

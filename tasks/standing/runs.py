@@ -8,7 +8,11 @@ deployment's runs carry the tag already; ``vllm-redeploy run`` and a direct call
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import tomllib
 from dataclasses import dataclass
+from pathlib import Path
 from uuid import UUID
 
 from prefect import get_client, runtime
@@ -21,10 +25,11 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.client.schemas.sorting import FlowRunSort
 from prefect.exceptions import ObjectNotFound
+from prefect.utilities.urls import url_for
 
 from tasks.standing.lock import Record, holder
 from vllm_redeploy import PROJECT
-from vllm_redeploy.config import ClusterConfig
+from vllm_redeploy.config import CONFIG_VARIABLE, ClusterConfig
 from vllm_redeploy.names import cluster_tag
 
 UNDER_WAY = [StateType.PENDING, StateType.RUNNING]
@@ -58,6 +63,45 @@ class RunAtHand:
                 " (marked Crashed in Prefect, yet it still beats the lock: its controller runs it)"
             )
         return f"flow run {self.name} ({self.trigger}) {role}: {self.under_pause()}"
+
+
+def run_name() -> str:
+    """The flow run's name, as Prefect sets it when the run starts: its cluster, trigger and
+    mode (``spark-pair-nightly-redeploy``), so that runs of two clusters, a nightly one and a
+    recovery, tell themselves apart in the UI. From the parameters and the file's ``name``;
+    never raises (the engine would fail the run before its first step)."""
+    params = runtime.flow_run.parameters or {}
+    return "-".join(
+        (
+            _cluster_name(params.get("config_path")),
+            str(params.get("trigger") or "manual"),
+            str(params.get("mode") or "redeploy"),
+        )
+    )
+
+
+def named_run() -> str:
+    """This flow run in words, for the person who started it: its name and where the UI
+    shows it (``flow run spark-pair-manual-redeploy: http://.../runs/flow-run/ID``)."""
+    link = url_for("flow-run", obj_id=runtime.flow_run.id) if runtime.flow_run.id else None
+    return f"flow run {runtime.flow_run.name}" + (f": {link}" if link else "")
+
+
+def _cluster_name(config_path: object) -> str:
+    served = [p for p in os.environ.get(CONFIG_VARIABLE, "").split(os.pathsep) if p]
+    path = config_path if isinstance(config_path, str) else next(iter(served), "")
+    try:
+        with open(path, "rb") as file:
+            name = tomllib.load(file).get("name")
+    except (OSError, ValueError):
+        name = None
+    if isinstance(name, str) and NAME.fullmatch(name):
+        return name
+    stem = Path(path).stem
+    return stem if NAME.fullmatch(stem) else "cluster"
+
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 
 
 def tag_this_run(cluster: str) -> None:
