@@ -64,6 +64,7 @@ from tasks.standing.marks import clear_crashloop
 from tasks.standing.recoveries import SKIPPED, UNCHANGED
 from tasks.standing.runs import named_run, run_name, tag_this_run
 from tasks.stop_autostart import stop_autostart
+from tasks.stop_group import stop_group
 from tasks.sync import sync_node
 from tasks.teardown import teardown_group
 from tasks.transport import half_bandwidth, prove_transport
@@ -72,14 +73,14 @@ from vllm_redeploy.config import CONFIG_VARIABLE, ConfigError, load_config
 from vllm_redeploy.endpoint import api_base
 from vllm_redeploy.events import failed_event, ready_event
 from vllm_redeploy.launch.caches import cache_owner, compile_cache_words
-from vllm_redeploy.launch.choose import backend_problem
+from vllm_redeploy.launch.choose import BACKENDS, assumed, backend_problem, plan_for
 from vllm_redeploy.names import artifact_key
 from vllm_redeploy.nodes import RemoteError
 from vllm_redeploy.safe_text import one_line, shown
 from vllm_redeploy.summary import RunSummary, StepEvent, render_markdown, report
 from vllm_redeploy.sync import NO_MODEL, Copied, Holdings, plan_sync
 
-Mode = Literal["redeploy", "ensure"]
+Mode = Literal["redeploy", "ensure", "stop"]
 
 
 class Steps:
@@ -174,7 +175,8 @@ def redeploy_vllm_cluster(
     trigger: Trigger = "manual",
     override_pause: bool = False,
 ) -> dict[str, Any] | State:
-    """Bring the vLLM cluster described by ``config_path`` back (``ensure``: only if needed).
+    """Bring the vLLM cluster described by ``config_path`` back (``ensure``: only if needed;
+    ``stop``: remove the group on purpose, and prove it gone).
 
     ``trigger``: what started the run (manual, nightly, after-reboot, recover); nothing automatic
     touches a paused or crash-looping cluster, and a manual run only with ``override_pause``.
@@ -227,9 +229,9 @@ def redeploy_vllm_cluster(
                 raise
         if stopped is not None:
             return _hands_off(run, step, stopped)
-        if trigger == "manual":
+        if trigger == "manual" and mode != "stop":
             _clear_crashloop(config.name)
-        result = _finish(run, summary)
+        result = _finish(run, summary, event=mode != "stop")  # ready: only when it serves
         if summary.action.startswith("already healthy"):
             return Completed(name=UNCHANGED, message=summary.action, data=result)
         return result
@@ -266,6 +268,9 @@ def _runbook(run: Run, mode: Mode, step: Steps) -> None:
     them."""
     config, summary = run.config, step.summary
     nodes = [n.name for n in config.nodes]
+    if mode == "stop":
+        _stop(run, step)
+        return
     if mode == "ensure":
         health = step("inspect", inspect_deployment, run)
         if health.healthy:
@@ -303,6 +308,20 @@ def _runbook(run: Run, mode: Mode, step: Steps) -> None:
         summary.notes += half_bandwidth(plan, summary.transport)
     summary.probe = step("probe", probe_model, run)
     step.served = True
+
+
+def _stop(run: Run, step: Steps) -> None:
+    """`vllm-redeploy stop`: the group removed on purpose, then proven gone: the GPUs clear and
+    nothing listening on the head's ports of the backend it ran on."""
+    config, summary = run.config, step.summary
+    nodes = [n.name for n in config.nodes]
+    removed = step.change("stop-group", per_node, stop_group, run, nodes)
+    summary.gpus = step("gpus-clear", per_node, wait_gpus_clear, run, nodes)
+    backend = next((b for r in removed for b in r.backends if b in BACKENDS), assumed(config))
+    step("ports-free", wait_ports_free, run, plan_for(backend, config))
+    gone = "; ".join(r.summary() for r in removed)
+    summary.action = "stopped"
+    summary.notes.append(f"{gone}; the GPUs are clear and the head's ports free")
 
 
 def _sync(run: Run, step: Steps, facts: list[NodeFacts]) -> list[NodeFacts]:

@@ -17,9 +17,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from deployments.event_sender import EventSender
+from deployments.watcher import ClusterWatcher
 from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import make_bed
+from tests.testbed import image
 from tests.testbed.bed import TestBed
+from vllm_redeploy.config import load_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]  # a bed and a flow run
 CLI = Path(sys.executable).parent / "vllm-redeploy"
@@ -29,6 +33,11 @@ CLI = Path(sys.executable).parent / "vllm-redeploy"
 def served(prefect_api: str) -> Iterator[tuple[TestBed, Path]]:
     bed = make_bed(2, "h200", first_ip=145)
     try:
+        for node in bed.nodes:  # a stranger's container: nothing here may touch it
+            with contextlib.closing(node.engine.client()) as client:
+                client.containers.run(
+                    image.OLD_STACK_IMAGE, ["sleep", "999999"], name="canary", detach=True
+                )
         path = bed.write_config(bed.root / "run.toml", vllm={"env": {"VRD_LOAD_SECONDS": "1"}})
         state = redeploy_vllm_cluster(str(path), "redeploy", return_state=True)
         assert state.is_completed(), state.result(raise_on_failure=False)
@@ -153,3 +162,43 @@ def test_run_on_a_paused_cluster_says_so_and_override_pause_runs_it(
         assert "paused by" in cli("status", "-c", str(path)).stdout  # the pause stays
     finally:
         assert cli("resume", "-c", str(path)).returncode == 0
+
+
+def test_stop_removes_the_group_proves_it_gone_and_with_pause_the_watcher_leaves_it_down(
+    served: tuple[TestBed, Path], prefect_api: str
+) -> None:
+    """Last in this module: it leaves the group down (the rows above need it served)."""
+    bed, path = served
+    done = cli("stop", "-c", str(path), "--pause", "--reason", "moving the rack")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("bed: paused by ") and lines[0].endswith("moving the rack")
+    assert lines[1].startswith("flow run bed-manual-stop: http")
+    assert [line.split(":")[0] for line in lines[2:6]] == [
+        "guard", "cluster-lock", "stop-group", "gpus-clear",
+    ]  # fmt: skip
+    assert "# bed: stopped" in done.stdout
+    assert "node-1: removed vllm-redeploy-bed-engine" in done.stdout
+    assert "node-2: removed vllm-redeploy-bed-follower" in done.stdout
+    for node in bed.nodes:
+        with contextlib.closing(node.engine.client()) as client:
+            assert (
+                client.containers.list(all=True, filters={"label": "io.vllm-redeploy.cluster=bed"})
+                == []
+            )
+            assert client.containers.get("canary")  # not ours: left alone
+    status = cli("status", "-c", str(path))
+    assert (
+        status.returncode == 1
+        and "paused by" in status.stdout
+        and "moving the rack" in status.stdout
+    )
+    # The watcher's looks find it down, and paused: it tells Prefect nothing (no recovery).
+    watched = bed.write_config(bed.root / "watched.toml", watch={"failures": 1})
+    sender = EventSender(prefect_api)
+    watcher = ClusterWatcher(load_config(watched, env_file=None), sender)
+    for _ in range(3):
+        watcher.look_once()
+    sender.close()
+    assert not watcher.state.reported and sender.sent == 0  # unpaused, failures=1 reports
+    assert cli("resume", "-c", str(path)).returncode == 0

@@ -132,6 +132,7 @@ ConfigOption = Annotated[
     typer.Option(
         "--config",
         "-c",
+        metavar="FILE",
         help="Cluster configuration (TOML), or the name of a cluster installed by "
         "install-controller (/etc/vllm-redeploy/NAME.toml).",
         envvar=CONFIG_VARIABLE,
@@ -146,6 +147,7 @@ ConfigsOption = Annotated[
     typer.Option(
         "--config",
         "-c",
+        metavar="FILE",
         help="A cluster's configuration (TOML) or installed cluster's name; repeat for several "
         f"(each with its own env file). {CONFIG_VARIABLE} may name several, separated by "
         f"'{os.pathsep}'.",

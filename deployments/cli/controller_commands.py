@@ -163,7 +163,9 @@ def install_notifier_command(
 def install_controller_command(
     config: Annotated[
         Path | None,
-        typer.Option("--config", "-c", help="Install as /etc/vllm-redeploy/<cluster>.toml"),
+        typer.Option(
+            "--config", "-c", metavar="FILE", help="Install as /etc/vllm-redeploy/<cluster>.toml"
+        ),
     ] = None,
     cluster: Annotated[
         str | None,

@@ -61,6 +61,8 @@ _WITHOUT = {
     "keep other runs off the nodes.",
     "pause": "Without one, the pause would go to a temporary Prefect API that the controller's "
     "services never see, and nothing would be paused; pause never uses one.",
+    "stop": "Without one, the stop would run outside the cluster's lock, beside a run that "
+    "holds it; stop never uses one.",
     "resume": "Without one, the resume would go to a temporary Prefect API that the controller's "
     "services never see, and nothing would be resumed; resume never uses one.",
 }

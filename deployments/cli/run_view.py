@@ -83,6 +83,45 @@ def run_command(
         _run(cluster, config, mode, keep_on_failure, override_pause)
 
 
+@app.command(rich_help_panel=EVERYDAY)
+def stop(
+    config: ConfigOption = Path("cluster.toml"),
+    pause: Annotated[
+        bool,
+        typer.Option(
+            "--pause",
+            help="Pause the cluster first, so that the watcher, the nightly and the "
+            "after-reboot runs leave it down until `resume`.",
+        ),
+    ] = False,
+    reason: Annotated[
+        str, typer.Option(metavar="TEXT", help="Why, with --pause, for whoever looks.")
+    ] = "stopped with `vllm-redeploy stop --pause`",
+) -> None:
+    """Remove the group on purpose, under the cluster's lock, and prove it gone: the GPUs clear,
+    nothing listening on its ports. A pause does not hold it back. Without --pause the watcher
+    brings it back."""
+    cluster = load_or_exit(config)
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    with controller_or_exit([cluster], [config], "stop"):
+        if pause:  # first: a recovery that would start now ends Skipped
+            from tasks.standing.marks import pause as pause_cluster
+
+            paused = pause_cluster(cluster.name, reason, None)
+            said = f"{cluster.name}: {for_terminal(paused.describe())}"
+            out.print(said, markup=False, highlight=False, soft_wrap=True)
+        _run(cluster, config, "stop", False, override_pause=True)
+    if not pause:
+        err.print(
+            f"{cluster.name}: stopped, not paused: the watcher's recovery (if it runs) brings "
+            "it back; `vllm-redeploy stop --pause` keeps it down.",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+
+
 def _run(
     cluster: ClusterConfig, config: Path, mode: str, keep_on_failure: bool, override_pause: bool
 ) -> None:
