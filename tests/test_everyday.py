@@ -4,7 +4,9 @@ person types by habit after `status`, as its own process, its output piped."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -162,6 +164,45 @@ def test_run_on_a_paused_cluster_says_so_and_override_pause_runs_it(
         assert "paused by" in cli("status", "-c", str(path)).stdout  # the pause stays
     finally:
         assert cli("resume", "-c", str(path)).returncode == 0
+
+
+def test_runs_lists_the_last_runs_newest_first_with_why_and_where(
+    served: tuple[TestBed, Path], prefect_api: str
+) -> None:
+    """The newest first, whatever ran before; a failed run's step and reason come through."""
+    bed, path = served
+    failing = bed.write_config(bed.root / "run.toml", vllm={"env": {"VRD_FAULT": "empty"}})
+    assert failing == path  # the same cluster, the same file: a run that fails at the probe
+    try:
+        assert cli("run", "-c", str(path), "--keep-on-failure").returncode == 1  # left up
+    finally:
+        bed.write_config(bed.root / "run.toml", vllm={"env": {"VRD_LOAD_SECONDS": "1"}})
+    done = cli("runs", "-c", str(path), "--json", "-n", "2")
+    assert done.returncode == 0, done.stderr
+    listed = json.loads(done.stdout)
+    assert len(listed) == 2
+    newest = listed[0]
+    assert (newest["name"], newest["trigger"], newest["mode"], newest["state"]) == (
+        "bed-manual-redeploy", "manual", "redeploy", "Failed",
+    )  # fmt: skip
+    assert newest["failure"].startswith("probe: the model answered but is not healthy: empty"), (
+        newest
+    )
+    assert (
+        newest["url"]
+        == f"{prefect_api.removesuffix('/api')}/runs/flow-run/" + newest["url"].rsplit("/", 1)[1]
+    )
+    assert newest["seconds"] > 0
+    started = [run["started"] for run in listed]
+    assert started == sorted(started, reverse=True)
+    assert all(run["failure"] == "" for run in listed if run["state"] != "Failed")
+    piped = cli("runs", "-c", str(path), "-n", "2").stdout.splitlines()
+    assert len(piped) == 2
+    assert re.fullmatch(
+        r"\d\d-\d\d \d\d:\d\d:\d\d bed-manual-redeploy \(manual, redeploy\): Failed after \d+ s: "
+        r"probe: the model answered but is not healthy: .*  " + re.escape(newest["url"]),
+        piped[0],
+    ), piped[0]
 
 
 def test_stop_removes_the_group_proves_it_gone_and_with_pause_the_watcher_leaves_it_down(

@@ -13,6 +13,7 @@ from deployments.cli import (
     controller_commands,
     logs_command,
     run_view,
+    runs_command,
     status_view,
     sync_command,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "logs_command",
     "main",
     "run_view",
+    "runs_command",
     "status_view",
     "sync_command",
 ]

@@ -63,6 +63,7 @@ _WITHOUT = {
     "services never see, and nothing would be paused; pause never uses one.",
     "stop": "Without one, the stop would run outside the cluster's lock, beside a run that "
     "holds it; stop never uses one.",
+    "runs": "The runs are kept by the controller's Prefect API; runs never starts one.",
     "resume": "Without one, the resume would go to a temporary Prefect API that the controller's "
     "services never see, and nothing would be resumed; resume never uses one.",
 }

@@ -11,8 +11,10 @@ import contextlib
 import os
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 from uuid import UUID
 
 from prefect import get_client, runtime
@@ -140,3 +142,54 @@ def _at_hand(run: FlowRun, holds: bool) -> RunAtHand:
     overrides = trigger == "manual" and bool(run.parameters.get("override_pause"))
     crashed = run.state_type == StateType.CRASHED
     return RunAtHand(run.name, trigger, holds, overrides, crashed)
+
+
+@dataclass(frozen=True)
+class PastRun:
+    """One run of the cluster, as `vllm-redeploy runs` lists it."""
+
+    name: str
+    trigger: str  # nightly, after-reboot, recover, manual
+    mode: str  # redeploy, ensure, stop
+    state: str  # Prefect's state name: Completed, Failed, Skipped, Cancelled, Running, ...
+    started: datetime | None
+    seconds: float | None  # how long it ran (so far, for one under way)
+    failure: str  # the failed step and why ("probe: empty answer ..."); "" when none
+    url: str  # its page in the Prefect UI
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["started"] = self.started.isoformat() if self.started else None
+        return data
+
+
+FAILED_PREFIX = "Flow run encountered an exception: "
+
+
+def last_runs(config: ClusterConfig, count: int) -> list[PastRun]:
+    """The cluster's last ``count`` flow runs, newest first (those not started yet, last)."""
+    with get_client(sync_client=True) as client:
+        found = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[cluster_tag(config.name)])),
+            sort=FlowRunSort.START_TIME_DESC,
+            limit=count,
+        )
+    return [_past(run) for run in found]
+
+
+def _past(run: FlowRun) -> PastRun:
+    state = run.state
+    failure = ""
+    if state is not None and (state.is_failed() or state.is_crashed()):
+        failure = (state.message or "").removeprefix(FAILED_PREFIX).removeprefix("StepFailed: ")
+    ran = run.total_run_time if run.end_time else run.estimated_run_time
+    return PastRun(
+        name=run.name,
+        trigger=str(run.parameters.get("trigger", "manual")),
+        mode=str(run.parameters.get("mode", "redeploy")),
+        state=state.name if state is not None and state.name else "?",
+        started=run.start_time,
+        seconds=ran.total_seconds() if run.start_time else None,
+        failure=failure,
+        url=url_for("flow-run", obj_id=run.id) or "",
+    )
