@@ -281,7 +281,7 @@ def test_the_engine_wants_the_key_on_v1_and_status_is_healthy_with_it(
     assert status.endpoint.generation.verdict == "answered" and status.endpoint.probe.healthy
     shown = CliRunner().invoke(app, ["status", "-c", str(runs.path), "--json"])
     assert shown.exit_code == 0, shown.output
-    assert json.loads(shown.output)["healthy"] and leaks(shown.output) == []
+    assert json.loads(shown.output)[0]["healthy"] and leaks(shown.output) == []
     # Without the key, the same look names the 401 and what to do.
     monkeypatch.delenv(SECRET)
     problems = collect_status(load_config(runs.path, env_file=None), quick=True).problems

@@ -229,3 +229,22 @@ def test_a_known_hosts_with_markers_is_read_as_openssh_reads_it(
     reports = {r["name"]: r for r in json.loads(found.output)}
     assert not reports["worker-ssh"]["reachable"], reports
     assert "is marked @revoked in" in reports["worker-ssh"]["error"], reports
+
+
+def test_check_gpus_calls_a_node_it_cannot_reach_unreachable_not_busy(
+    tmp_path: Path, sshd: SSHServer, client_key: Path, dockerd: DockerEngine
+) -> None:
+    """The same keys as `nodes --json` (``name``, ``reachable``); a node never reached is not
+    "busy": nobody looked at its GPUs."""
+    known_hosts = tmp_path / "known_hosts"
+    kind, key = sshd.known_hosts_line().split()[1:3]
+    known_hosts.write_text(sshd.known_hosts_line() + f"@revoked * {kind} {key}\n")
+    path = cluster_toml(tmp_path, sshd, client_key, known_hosts, dockerd)
+    found = CliRunner().invoke(app, ["check-gpus", "--config", str(path), "--json"])
+    assert found.exit_code == 1, found.output
+    rows = {r["name"]: r for r in json.loads(found.output)}
+    assert not rows["worker-ssh"]["reachable"] and not rows["worker-ssh"]["clear"], rows
+    assert "is marked @revoked in" in rows["worker-ssh"]["problems"][0], rows
+    shown = CliRunner().invoke(app, ["check-gpus", "--config", str(path)], terminal_width=400)
+    assert "worker-ssh: unreachable (its GPUs not checked)" in shown.output, shown.output
+    assert "worker-ssh: busy" not in shown.output

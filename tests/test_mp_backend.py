@@ -222,7 +222,7 @@ def test_ensure_and_status_read_the_backend_from_what_runs(mp_bed: TestBed) -> N
     shown = subprocess.run(
         [str(CLI), "status", "-c", str(path), "--json"], capture_output=True, text=True, timeout=90
     )
-    report = json.loads(shown.stdout)
+    (report,) = json.loads(shown.stdout)
     assert shown.returncode == 0 and report["backend"] == "mp", report["problems"]
 
 

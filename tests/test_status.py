@@ -57,7 +57,8 @@ def deployed(prefect_api: str) -> Iterator[tuple[TestBed, Path]]:
 
 def status_json(path: Path) -> tuple[int, dict[str, Any]]:
     result = CliRunner().invoke(app, ["status", "-c", str(path), "--json"])
-    return result.exit_code, json.loads(result.output)
+    (report,) = json.loads(result.output)  # a list, one per cluster, even for one
+    return result.exit_code, report
 
 
 def piped(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

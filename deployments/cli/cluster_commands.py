@@ -238,7 +238,8 @@ def check_gpus(config: ConfigOption = Path("cluster.toml"), as_json: JsonOption 
             report = o.value
             rows.append(
                 {
-                    "node": o.node,
+                    "name": o.node,
+                    "reachable": True,
                     "clear": report.clear,
                     "problems": report.problems,
                     "processes": [
@@ -249,14 +250,22 @@ def check_gpus(config: ConfigOption = Path("cluster.toml"), as_json: JsonOption 
             )
         else:
             rows.append(
-                {"node": o.node, "clear": False, "problems": [str(o.error)], "processes": []}
+                {
+                    "name": o.node,
+                    "reachable": False,
+                    "clear": False,
+                    "problems": [str(o.error)],
+                    "processes": [],
+                }
             )
     if as_json:
         out.print_json(json.dumps(rows))
     else:
         for row in rows:
             state = "[green]clear[/]" if row["clear"] else "[red]busy[/]"
-            out.print(f"{row['node']}: {state}", highlight=False)
+            if not row["reachable"]:
+                state = "[red]unreachable[/] (its GPUs not checked)"
+            out.print(f"{row['name']}: {state}", highlight=False)
             for problem in row["problems"]:
                 out.print(f"  {for_terminal(problem)}", markup=False, highlight=False)
     if not all(row["clear"] for row in rows):

@@ -50,7 +50,7 @@ def status(config: ConfigsOption = CONFIGS_DEFAULT, as_json: JsonOption = False)
             {**r.as_dict(), "standing": h, "prefect_api": api}
             for r, h in zip(reports, held, strict=True)
         ]
-        out.print_json(json.dumps(found_json[0] if len(found_json) == 1 else found_json))
+        out.print_json(json.dumps(found_json))  # a list, one per cluster, however many
     else:
         for i, (report, standing) in enumerate(zip(reports, held, strict=True)):
             if i:
