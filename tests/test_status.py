@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,8 @@ def test_status_of_a_healthy_deployment(deployed: tuple[TestBed, Path]) -> None:
     code, report = status_json(path)
     assert code == 0, report["problems"]
     assert report["healthy"] and report["problems"] == []
+    assert report["last_run"]["name"] == "bed-manual-redeploy", report["last_run"]
+    assert report["last_run"]["state"] == "Completed" and report["next_run"] is None
     config = load_config(path, env_file=None)
     head, worker = report["nodes"]
     assert [n["name"] for n in report["nodes"]] == ["node-1", "node-2"]
@@ -114,12 +117,44 @@ def test_status_piped_is_plain_text(deployed: tuple[TestBed, Path]) -> None:
     assert not ANSI.search(result.stdout + result.stderr)
     text = result.stdout
     assert text.splitlines()[0] == "cluster bed: healthy"
+    # the header: the cluster's last run (the fixture's); no schedule is served here
+    (last,) = [line for line in text.splitlines()[:4] if line.startswith("last run")]
+    when, took = r"\d{4}-\d\d-\d\d \d\d:\d\d", r"\d+ (s|min \d+ s)"
+    assert re.fullmatch(rf"last run   bed-manual-redeploy {when}, Completed after {took}", last)
+    assert "next run" not in text
     assert re.search(r"node-1 head .*yes \d+\.\d ms .*vllm-redeploy-bed-engine running", text)
     assert "held by PID" in text and "ray::RayWorkerWrapper" in text
     assert f"alive at {bed.nodes[1].ip}, 1 GPU" in text
     assert re.search(rf"model\s+{re.escape(SERVED_NAME)} \(/v1/models\)", text)
     assert re.search(r"probe\s+healthy: reasoning only", text)
     assert re.search(r"engine\s+running, up \d+", text)
+
+
+def test_status_names_the_next_scheduled_run(
+    deployed: tuple[TestBed, Path], prefect_api: str
+) -> None:
+    """As the nightly deployment's schedule leaves one: Scheduled, tagged with the cluster."""
+    _, path = deployed
+    due = datetime.now(UTC) + timedelta(hours=5)
+    flow = httpx.post(f"{prefect_api}/flows/", json={"name": "redeploy-vllm-cluster"}, timeout=10)
+    created = httpx.post(
+        f"{prefect_api}/flow_runs/",
+        json={
+            "flow_id": flow.json()["id"],
+            "tags": ["cluster:bed"],
+            "parameters": {"trigger": "nightly", "mode": "redeploy"},
+            "state": {"type": "SCHEDULED", "state_details": {"scheduled_time": due.isoformat()}},
+        },
+        timeout=10,
+    ).json()
+    try:
+        text = piped("status", "-c", str(path)).stdout
+        assert f"next run   nightly, due {due.astimezone():%Y-%m-%d %H:%M}" in text, text
+        _, report = status_json(path)
+        assert report["next_run"]["trigger"] == "nightly"
+        assert datetime.fromisoformat(report["next_run"]["due"]) == due
+    finally:
+        httpx.delete(f"{prefect_api}/flow_runs/{created['id']}", timeout=10)
 
 
 def test_the_run_command_piped_prints_a_line_per_step_then_the_summary(

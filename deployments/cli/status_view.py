@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -23,6 +26,8 @@ from deployments.cli.common import (
     out,
 )
 from deployments.cli.prefect_api import Found, api_key, find_api, talking_to
+from tasks.standing.runs import PastRun, last_runs, next_run
+from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.controller_api import ControllerApi, problem_with
 from vllm_redeploy.launch.backend import GroupMember
 from vllm_redeploy.safe_text import for_terminal, one_line
@@ -41,13 +46,13 @@ def status(config: ConfigsOption = CONFIGS_DEFAULT, as_json: JsonOption = False)
         talking_to(read_from.environment() if read_from else {}),
         ThreadPoolExecutor(max_workers=2 * len(clusters)) as pool,
     ):
-        standings = [pool.submit(_standing, c.name, unknown, read_from) for c in clusters]
+        standings = [pool.submit(_standing, c, unknown, read_from) for c in clusters]
         reports = list(pool.map(collect_status, clusters))
         held = [s.result() for s in standings]
     if as_json:
         api = {"url": read_from.url, "source": read_from.source} if read_from else None
         found_json = [
-            {**r.as_dict(), "standing": h, "prefect_api": api}
+            {**r.as_dict(), "standing": h.headline, **h.as_dict(), "prefect_api": api}
             for r, h in zip(reports, held, strict=True)
         ]
         out.print_json(json.dumps(found_json))  # a list, one per cluster, however many
@@ -68,32 +73,56 @@ def _unknown_standing(found: Found) -> str | None:
     return f"standing unknown: {problem}" if problem else None
 
 
-def _standing(cluster: str, unknown: str | None, api: ControllerApi | None) -> str | None:
-    """Paused or crash-looping (kept in Prefect's Variables), or why it is unknown."""
+@dataclass(frozen=True)
+class Standing:
+    """What the controller's Prefect API says of a cluster: paused or crash-looping (or why
+    that is unknown), its last run and its next scheduled one."""
+
+    headline: str | None = None
+    last: PastRun | None = None
+    due: tuple[str, datetime] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "last_run": self.last.as_dict() if self.last else None,
+            "next_run": (
+                {"trigger": self.due[0], "due": self.due[1].isoformat()} if self.due else None
+            ),
+        }
+
+
+def _standing(config: ClusterConfig, unknown: str | None, api: ControllerApi | None) -> Standing:
     if unknown is not None or api is None:
-        return unknown
+        return Standing(unknown)
     from tasks.standing.marks import read_standing
 
     try:
-        return read_standing(cluster).headline()
+        last = last_runs(config, 1)
+        return Standing(
+            read_standing(config.name).headline(), last[0] if last else None, next_run(config)
+        )
     except Exception as exc:  # status must work while Prefect is down
-        return f"standing unknown: {api.described()} failed: {one_line(exc)[:200]}"
+        return Standing(f"standing unknown: {api.described()} failed: {one_line(exc)[:200]}")
 
 
 def print_status(
     report: ClusterStatus,
-    standing: str | None = None,
+    standing: Standing | None = None,
     console: Console = out,
     read_from: ControllerApi | None = None,
 ) -> None:
     """Colours and tables in a terminal; the same text without escape codes when piped.
     ``read_from``: the Prefect API the standing was read from, named when not the default."""
+    standing = standing or Standing()
     verdict = "[bold green]healthy[/]" if report.healthy else "[bold red]not healthy[/]"
     console.print(f"[bold]cluster {markup_safe(report.cluster)}[/]: {verdict}", highlight=False)
-    if standing:
-        console.print(f"[bold yellow]{markup_safe(standing)}[/]", highlight=False, soft_wrap=True)
+    if standing.headline:
+        said = f"[bold yellow]{markup_safe(standing.headline)}[/]"
+        console.print(said, highlight=False, soft_wrap=True)
     if read_from is not None and not read_from.is_default():
         line = f"standing read from {markup_safe(read_from.described())}"
+        console.print(line, highlight=False, soft_wrap=True)
+    for line in _runs_lines(standing):
         console.print(line, highlight=False, soft_wrap=True)
     members = {m.ip: m for m in report.group.members}
     table = Table(show_edge=False, show_lines=True)
@@ -103,9 +132,7 @@ def print_status(
     for node in report.nodes:
         table.add_row(
             f"[bold]{markup_safe(node.name)}[/] {node.role}\n{markup_safe(node.address)}",
-            f"[green]yes[/] {node.rtt_ms:.1f} ms"
-            if node.reachable
-            else f"[red]no[/]: {markup_safe(node.error or '')}",
+            f"[green]yes[/] {node.rtt_ms:.1f} ms" if node.reachable else "[red]no[/] (problems)",
             _containers_cell(node),
             _gpu_cell(node.gpu),
             _member_cell(node, members, bool(report.group.members)),
@@ -154,6 +181,22 @@ def print_status(
         console.print("[bold red]problems[/]")
         for problem in report.problems:
             console.print(f"  - {for_terminal(problem)}", markup=False, highlight=False)
+
+
+def _runs_lines(standing: Standing) -> list[str]:
+    lines = []
+    if (last := standing.last) is not None:
+        when = last.started.astimezone().strftime("%Y-%m-%d %H:%M") if last.started else "-"
+        colour = "green" if last.state == "Completed" else "red" if last.failure else "yellow"
+        why = f": {markup_safe(one_line(last.failure)[:120])}" if last.failure else ""
+        lines.append(
+            f"last run   {markup_safe(last.name)} {when}, [{colour}]{markup_safe(last.state)}[/]"
+            f" after {duration(last.seconds)}{why}"
+        )
+    if standing.due is not None:
+        trigger, due = standing.due
+        lines.append(f"next run   {markup_safe(trigger)}, due {due.astimezone():%Y-%m-%d %H:%M}")
+    return lines
 
 
 def _transport_cell(report: ClusterStatus) -> str:

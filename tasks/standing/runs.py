@@ -193,3 +193,21 @@ def _past(run: FlowRun) -> PastRun:
         failure=failure,
         url=url_for("flow-run", obj_id=run.id) or "",
     )
+
+
+def next_run(config: ClusterConfig) -> tuple[str, datetime] | None:
+    """The cluster's next scheduled run (the nightly one, as its deployment scheduled it):
+    its trigger and when it is due; None when none is scheduled. (Its name is given when it
+    starts.)"""
+    with get_client(sync_client=True) as client:
+        found = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                tags=FlowRunFilterTags(all_=[cluster_tag(config.name)]),
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])),
+            ),
+            sort=FlowRunSort.EXPECTED_START_TIME_ASC,
+            limit=1,
+        )
+    if not found or found[0].expected_start_time is None:
+        return None
+    return str(found[0].parameters.get("trigger", "manual")), found[0].expected_start_time
