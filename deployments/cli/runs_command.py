@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -13,9 +13,11 @@ from rich.text import Text
 
 from deployments.cli.common import EVERYDAY, ConfigOption, JsonOption, app, load_or_exit, out
 from deployments.cli.prefect_api import controller_or_exit
-from tasks.standing.runs import PastRun, last_runs
 from vllm_redeploy.safe_text import for_terminal, one_line
 from vllm_redeploy.status import duration
+
+if TYPE_CHECKING:
+    from tasks.standing.runs import PastRun
 
 STYLES = {"Completed": "green", "Failed": "bold red", "Crashed": "bold red", "Skipped": "yellow"}
 
@@ -31,6 +33,7 @@ def runs(
     """The cluster's last runs, newest first: trigger (nightly, after-reboot, recover, manual),
     mode, result, how long, the failed step and why, and the run's page in the Prefect UI."""
     cluster = load_or_exit(config)
+    from tasks.standing.runs import last_runs  # Prefect's client: after the CLI chose its cwd
 
     with controller_or_exit([cluster], [config], "runs"):
         found = last_runs(cluster, count)

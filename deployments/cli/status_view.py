@@ -8,7 +8,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -26,12 +26,14 @@ from deployments.cli.common import (
     out,
 )
 from deployments.cli.prefect_api import Found, api_key, find_api, talking_to
-from tasks.standing.runs import PastRun, last_runs, next_run
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.controller_api import ControllerApi, problem_with
 from vllm_redeploy.launch.backend import GroupMember
 from vllm_redeploy.safe_text import for_terminal, one_line
 from vllm_redeploy.status import ClusterStatus, GpuStatus, NodeStatus, collect_status, duration
+
+if TYPE_CHECKING:
+    from tasks.standing.runs import PastRun
 
 
 @app.command(rich_help_panel=EVERYDAY)
@@ -95,6 +97,7 @@ def _standing(config: ClusterConfig, unknown: str | None, api: ControllerApi | N
     if unknown is not None or api is None:
         return Standing(unknown)
     from tasks.standing.marks import read_standing
+    from tasks.standing.runs import last_runs, next_run
 
     try:
         last = last_runs(config, 1)
