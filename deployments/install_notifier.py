@@ -174,6 +174,17 @@ def root_commands(files: list[NotifierFile], enable: bool) -> list[list[str]]:
     return commands
 
 
+def file_states(runner: Runner, files: list[NotifierFile]) -> list[str]:
+    """Each file as the node holds it: ``missing``, ``MODE DIGEST``, or ``MODE -`` when the
+    login may not read it (the secret, to a login that is not root)."""
+    state = runner.run(
+        ["sh", "-c", _STATE, "sh", *(f.path for f in files)], timeout=COMMAND_TIMEOUT_S
+    ).stdout.splitlines()
+    if len(state) != len(files):
+        raise NotifierInstallError(runner.node, f"unexpected answer checking files: {state!r}")
+    return state
+
+
 def _install(
     runner: Runner, files: list[NotifierFile], enable: bool, risk: str | None = None
 ) -> list[str]:
@@ -194,9 +205,7 @@ def _install(
     def run(argv: list[str], stdin: bytes | None = None, check: bool = True) -> str:
         return runner.run(argv, stdin=stdin, check=check, timeout=COMMAND_TIMEOUT_S).stdout
 
-    state = run(["sh", "-c", _STATE, "sh", *(f.path for f in files)]).splitlines()
-    if len(state) != len(files):
-        raise NotifierInstallError(runner.node, f"unexpected answer checking files: {state!r}")
+    state = file_states(runner, files)
     unit_changed = False
     for file, now in zip(files, state, strict=True):
         want = hashlib.sha256(file.content).hexdigest()

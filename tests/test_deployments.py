@@ -418,3 +418,41 @@ def test_a_deployment_run_naming_another_toml_is_refused_before_any_node_is_touc
     theirs.close()
     assert state.is_failed() and "StepFailed: preflight: node node-1" in str(state.message)
     assert theirs.count > 0
+
+
+# --- `vllm-redeploy doctor` on this controller: the server, serve, the webhook, two nodes ---
+
+
+def test_doctor_reads_the_controller_and_names_the_one_problem_planted(
+    prefect_api: str, served: tuple[TestBed, Path, str]
+) -> None:
+    """Last in this module (a notifier installed on node-1 would speak at its reboots). Planted:
+    node-2 has no notifier. Everything else is well: the API, the four deployments served, the
+    key and known_hosts, the webhook, reached from both nodes, the clocks."""
+    from typer.testing import CliRunner
+
+    from deployments.cli import app
+    from deployments.install_notifier import install_notifier
+
+    bed, path, url = served
+    name = load_config(path, env_file=None).name
+    doctored = bed.write_config(bed.root / f"{name}.toml", name=name, webhook={"url": url})
+    install_notifier(load_config(doctored, env_file=None), "node-1")
+    done = CliRunner().invoke(app, ["doctor", "-c", str(doctored), "--json"])
+    assert done.exit_code == 1, done.output
+    findings = json.loads(done.output)
+    wrong = [f for f in findings if not f["ok"]]
+    assert [(f["area"], f["said"]) for f in wrong] == [
+        ("node-2", "notifier not installed (notify.py, vllm-redeploy-notify.service, "
+         "notifier.env, notifier.secret missing)"),
+    ], wrong  # fmt: skip
+    assert wrong[0]["fix"] == "`vllm-redeploy install-notifier node-2 -c FILE`"
+    said = {(f["area"], f["said"]) for f in findings}
+    assert ("deployments", "nightly, after-reboot, recover, manual: registered and served") in said
+    assert ("node-1", "notifier installed, current and enabled") in said
+    assert ("node-2", f"reaches the webhook ({url}/healthz)") in said
+    assert any(area == "prefect api" and s.endswith(" answers") for area, s in said)
+
+    screen = CliRunner().invoke(app, ["doctor", "-c", str(doctored)], terminal_width=200)
+    assert screen.exit_code == 1 and f"cluster {name}: 1 problem" in screen.output
+    assert "fix: `vllm-redeploy install-notifier node-2 -c FILE`" in screen.output

@@ -11,6 +11,7 @@ from pathlib import Path
 from deployments.cli import (
     cluster_commands,
     controller_commands,
+    doctor_command,
     logs_command,
     run_view,
     runs_command,
@@ -23,6 +24,7 @@ __all__ = [
     "app",
     "cluster_commands",
     "controller_commands",
+    "doctor_command",
     "logs_command",
     "main",
     "run_view",
