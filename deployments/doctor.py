@@ -77,6 +77,19 @@ def deployments(config: ClusterConfig) -> Finding:
     return Finding("deployments", True, f"{', '.join(TRIGGERS)}: registered and served")
 
 
+def watcher(config: ClusterConfig) -> Finding:
+    """The watcher looks at the cluster: it said so in Prefect lately."""
+    from tasks.standing.marks import watcher_beat
+
+    beat = watcher_beat(config.name)
+    fix = f"`sudo systemctl status vllm-redeploy-watch@{config.name}`, or `vllm-redeploy watch`"
+    if beat is None:
+        return Finding("watcher", False, "never seen: nothing notices the model going down", fix)
+    if not beat.alive():
+        return Finding("watcher", False, f"silent: it last {beat.describe()}", fix)
+    return Finding("watcher", True, beat.describe())
+
+
 def ssh_files(config: ClusterConfig) -> list[Finding]:
     """The key files (readable by this user only) and known_hosts (there)."""
     found = []

@@ -36,7 +36,7 @@ from prefect.client.schemas.objects import StateType
 
 from deployments.event_sender import EventSender
 from tasks.standing.lock import holder
-from tasks.standing.marks import read_standing
+from tasks.standing.marks import BEAT_S, beat_watcher, read_standing
 from tasks.standing.recoveries import declare_crashloop, pace, read_recover_runs
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.endpoint import refused_key
@@ -148,12 +148,19 @@ def watch_clusters(configs: list[ClusterConfig], stop: threading.Event | None = 
 
 
 def _loop(watcher: ClusterWatcher, stop: threading.Event) -> None:
-    interval = watcher.config.watch.interval_s
-    log.info("watching %s every %g s", watcher.config.name, interval)
+    name, interval = watcher.config.name, watcher.config.watch.interval_s
+    log.info("watching %s every %g s", name, interval)
+    beaten = -BEAT_S
     while not stop.is_set():
         started = time.monotonic()
         try:
             watcher.look_once()
         except Exception as exc:  # a look that failed says nothing about the cluster
-            log.warning("%s: could not look: %s", watcher.config.name, one_line(exc))
+            log.warning("%s: could not look: %s", name, one_line(exc))
+        if started - beaten >= BEAT_S:
+            try:
+                beat_watcher(name, interval)
+                beaten = started
+            except Exception as exc:  # Prefect away: said at the next beat
+                log.warning("%s: could not say in Prefect that it watches: %s", name, one_line(exc))
         stop.wait(max(0.0, interval - (time.monotonic() - started)))

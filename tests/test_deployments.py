@@ -432,12 +432,28 @@ def test_doctor_reads_the_controller_and_names_the_one_problem_planted(
     from typer.testing import CliRunner
 
     from deployments.cli import app
+    from deployments.cli.prefect_api import talking_to
     from deployments.install_notifier import install_notifier
+    from deployments.watcher import watch_clusters
+    from tasks.standing.marks import watcher_beat
 
     bed, path, url = served
     name = load_config(path, env_file=None).name
     doctored = bed.write_config(bed.root / f"{name}.toml", name=name, webhook={"url": url})
-    install_notifier(load_config(doctored, env_file=None), "node-1")
+    config = load_config(doctored, env_file=None)
+    install_notifier(config, "node-1")
+    stopped = threading.Event()  # the real watcher, its threads told the API as `watch` tells them
+    looker = threading.Thread(target=watch_clusters, args=([config], stopped))
+    with talking_to({"PREFECT_API_URL": prefect_api}):
+        looker.start()
+        try:
+            deadline = time.monotonic() + 60
+            while watcher_beat(name) is None:
+                assert time.monotonic() < deadline, "the watcher never said it looks"
+                time.sleep(0.5)
+        finally:
+            stopped.set()
+            looker.join(60)
     done = CliRunner().invoke(app, ["doctor", "-c", str(doctored), "--json"])
     assert done.exit_code == 1, done.output
     findings = json.loads(done.output)
@@ -452,6 +468,7 @@ def test_doctor_reads_the_controller_and_names_the_one_problem_planted(
     assert ("node-1", "notifier installed, current and enabled") in said
     assert ("node-2", f"reaches the webhook ({url}/healthz)") in said
     assert any(area == "prefect api" and s.endswith(" answers") for area, s in said)
+    assert any(area == "watcher" and s.startswith("looked ") for area, s in said), said
 
     screen = CliRunner().invoke(app, ["doctor", "-c", str(doctored)], terminal_width=200)
     assert screen.exit_code == 1 and f"cluster {name}: 1 problem" in screen.output

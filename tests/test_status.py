@@ -122,6 +122,7 @@ def test_status_piped_is_plain_text(deployed: tuple[TestBed, Path]) -> None:
     when, took = r"\d{4}-\d\d-\d\d \d\d:\d\d", r"\d+ (s|min \d+ s)"
     assert re.fullmatch(rf"last run   bed-manual-redeploy {when}, Completed after {took}", last)
     assert "next run" not in text
+    assert "watcher    never seen: no `vllm-redeploy watch` looks at it" in text
     assert re.search(r"node-1 head .*yes \d+\.\d ms .*vllm-redeploy-bed-engine running", text)
     assert "held by PID" in text and "ray::RayWorkerWrapper" in text
     assert f"alive at {bed.nodes[1].ip}, 1 GPU" in text

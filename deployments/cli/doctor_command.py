@@ -19,7 +19,16 @@ from deployments.cli.common import (
     out,
 )
 from deployments.cli.prefect_api import api_key, find_api, talking_to
-from deployments.doctor import Finding, deployments, env_file, nodes, problems, ssh_files, webhook
+from deployments.doctor import (
+    Finding,
+    deployments,
+    env_file,
+    nodes,
+    problems,
+    ssh_files,
+    watcher,
+    webhook,
+)
 from vllm_redeploy.controller_api import problem_with
 from vllm_redeploy.safe_text import for_terminal, one_line
 
@@ -41,10 +50,11 @@ def doctor(config: ConfigOption = Path("cluster.toml"), as_json: JsonOption = Fa
     else:
         findings.append(Finding("prefect api", True, f"{found.api.described()} answers"))
         with talking_to(found.api.environment()):
-            try:
-                findings.append(deployments(cluster))
-            except Exception as exc:  # the API answered /health, then failed us
-                findings.append(Finding("deployments", False, f"not read: {one_line(exc)}"))
+            for check, area in ((deployments, "deployments"), (watcher, "watcher")):
+                try:
+                    findings.append(check(cluster))
+                except Exception as exc:  # the API answered /health, then failed us
+                    findings.append(Finding(area, False, f"not read: {one_line(exc)}"))
     findings += ssh_files(cluster)
     findings += [env_file(config), webhook(cluster)]
     findings += nodes(cluster)

@@ -33,6 +33,7 @@ from vllm_redeploy.safe_text import for_terminal, one_line
 from vllm_redeploy.status import ClusterStatus, GpuStatus, NodeStatus, collect_status, duration
 
 if TYPE_CHECKING:
+    from tasks.standing.marks import WatcherBeat
     from tasks.standing.runs import PastRun
 
 
@@ -83,6 +84,8 @@ class Standing:
     headline: str | None = None
     last: PastRun | None = None
     due: tuple[str, datetime] | None = None
+    watcher: WatcherBeat | None = None
+    read: bool = False  # the API answered: None above means "none", not "unknown"
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -90,20 +93,25 @@ class Standing:
             "next_run": (
                 {"trigger": self.due[0], "due": self.due[1].isoformat()} if self.due else None
             ),
+            "watcher": (
+                {"alive": self.watcher.alive(), "age_s": round(self.watcher.age_s(), 1)}
+                if self.watcher
+                else None
+            ),
         }
 
 
 def _standing(config: ClusterConfig, unknown: str | None, api: ControllerApi | None) -> Standing:
     if unknown is not None or api is None:
         return Standing(unknown)
-    from tasks.standing.marks import read_standing
+    from tasks.standing.marks import read_standing, watcher_beat
     from tasks.standing.runs import last_runs, next_run
 
     try:
         last = last_runs(config, 1)
-        return Standing(
-            read_standing(config.name).headline(), last[0] if last else None, next_run(config)
-        )
+        headline = read_standing(config.name).headline()
+        beat = watcher_beat(config.name)
+        return Standing(headline, last[0] if last else None, next_run(config), beat, True)
     except Exception as exc:  # status must work while Prefect is down
         return Standing(f"standing unknown: {api.described()} failed: {one_line(exc)[:200]}")
 
@@ -199,6 +207,11 @@ def _runs_lines(standing: Standing) -> list[str]:
     if standing.due is not None:
         trigger, due = standing.due
         lines.append(f"next run   {markup_safe(trigger)}, due {due.astimezone():%Y-%m-%d %H:%M}")
+    if (beat := standing.watcher) is not None:
+        said = markup_safe(beat.describe())
+        lines.append(f"watcher    {said}" if beat.alive() else f"watcher    [red]silent[/]: {said}")
+    elif standing.read:
+        lines.append("watcher    [yellow]never seen[/]: no `vllm-redeploy watch` looks at it")
     return lines
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import getpass
+import os
 import socket
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -21,6 +22,8 @@ from vllm_redeploy.safe_text import one_line
 PAUSE = "pause"
 CRASHLOOP = "crashloop"
 COUNT_FROM = "recoveries_counted_from"  # a person's resume starts the crash-loop count anew
+WATCHER = "watcher"  # the watcher's last look: that it runs, for status and doctor
+BEAT_S = 60.0  # how often the watcher says so: one write a minute, not one per look
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,52 @@ def who() -> str:
     with contextlib.suppress(Exception):
         user = getpass.getuser()
     return f"{user}@{socket.gethostname()}"
+
+
+@dataclass(frozen=True)
+class WatcherBeat:
+    """The watcher's word that it looks at the cluster: when it last did, from where."""
+
+    at: datetime
+    by: str  # user@host
+    pid: int
+    every_s: float  # its look interval
+
+    def age_s(self, now: datetime | None = None) -> float:
+        return ((now or datetime.now(UTC)) - self.at).total_seconds()
+
+    def alive(self, now: datetime | None = None) -> bool:
+        """Did it say so lately (two beats and a look, for a slow look or a late write)?"""
+        return self.age_s(now) <= 2 * BEAT_S + self.every_s
+
+    def describe(self, now: datetime | None = None) -> str:
+        return (
+            f"looked {self.age_s(now):.0f} s ago ({self.by}, pid {self.pid}, every "
+            f"{self.every_s:g} s)"
+        )
+
+
+def beat_watcher(cluster: str, every_s: float) -> None:
+    value = {
+        "at": datetime.now(UTC).isoformat(),
+        "by": who(),
+        "pid": os.getpid(),
+        "every_s": every_s,
+    }
+    Variable.set(variable_name(cluster, WATCHER), value, overwrite=True)
+
+
+def watcher_beat(cluster: str) -> WatcherBeat | None:
+    """The watcher's last word, or None when no watcher ever looked at the cluster."""
+    value = _get(cluster, WATCHER)
+    with contextlib.suppress(TypeError, ValueError, KeyError):
+        return WatcherBeat(
+            datetime.fromisoformat(str(value["at"])),
+            str(value["by"]),
+            int(value["pid"]),
+            float(value["every_s"]),
+        )
+    return None
 
 
 def _get(cluster: str, what: str) -> Any:
