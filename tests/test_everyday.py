@@ -149,8 +149,12 @@ def test_run_on_a_paused_cluster_says_so_and_override_pause_runs_it(
     served: tuple[TestBed, Path],
 ) -> None:
     bed, path = served
-    paused = cli("pause", "-c", str(path), "--reason", "reseating a cable")
+    paused = cli("pause", "-c", str(path), "--reason", "reseating a cable", "--json")
     assert paused.returncode == 0, paused.stderr
+    said = json.loads(paused.stdout)
+    assert (said["cluster"], said["paused"]["reason"], said["runs"]) == (
+        "bed", "reseating a cable", [],
+    )  # fmt: skip
     try:
         before = engine_id(bed)
         held = cli("run", "-c", str(path))
@@ -163,7 +167,8 @@ def test_run_on_a_paused_cluster_says_so_and_override_pause_runs_it(
         assert engine_id(bed) != before  # redeployed while paused, as asked
         assert "paused by" in cli("status", "-c", str(path)).stdout  # the pause stays
     finally:
-        assert cli("resume", "-c", str(path)).returncode == 0
+        resumed = cli("resume", "-c", str(path), "--json")
+        assert json.loads(resumed.stdout) == {"cluster": "bed", "cleared": ["pause"]}
 
 
 def test_runs_lists_the_last_runs_newest_first_with_why_and_where(

@@ -4,10 +4,12 @@ reboot webhook, and installing the notifier and the controller's services.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import threading
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
@@ -22,6 +24,7 @@ from deployments.cli.common import (
     SETUP,
     ConfigOption,
     ConfigsOption,
+    JsonOption,
     app,
     duration_s,
     err,
@@ -79,6 +82,7 @@ def pause(
         ),
     ] = None,
     config: ConfigOption = Path("cluster.toml"),
+    as_json: JsonOption = False,
 ) -> None:
     """Maintenance: nothing automatic touches the cluster (watcher, recover, reboot, nightly),
     and the runs under way change nothing more; says what each of them does."""
@@ -90,6 +94,12 @@ def pause(
     with controller_or_exit([cluster], [config], "pause"):
         paused = pause_cluster(cluster.name, reason, seconds)
         runs = runs_at_hand(cluster)
+    if as_json:
+        runs_json = [{**asdict(run), "under_pause": run.under_pause()} for run in runs]
+        out.print_json(
+            json.dumps({"cluster": cluster.name, "paused": asdict(paused), "runs": runs_json})
+        )
+        return
     said = f"{cluster.name}: {for_terminal(paused.describe())}"
     out.print(said, markup=False, highlight=False, soft_wrap=True)
     for run in runs:
@@ -99,13 +109,16 @@ def pause(
 
 
 @app.command(rich_help_panel=EVERYDAY)
-def resume(config: ConfigOption = Path("cluster.toml")) -> None:
+def resume(config: ConfigOption = Path("cluster.toml"), as_json: JsonOption = False) -> None:
     """End a pause and a crash-loop mark: automatic runs may touch the cluster again."""
     cluster = load_or_exit(config)
     from tasks.standing.marks import resume as resume_cluster
 
     with controller_or_exit([cluster], [config], "resume"):
         cleared = resume_cluster(cluster.name)
+    if as_json:
+        out.print_json(json.dumps({"cluster": cluster.name, "cleared": cleared}))
+        return
     what = " and ".join(cleared) or "nothing (it was neither paused nor crash-looping)"
     out.print(f"{cluster.name}: cleared {what}", markup=False, highlight=False)
 
