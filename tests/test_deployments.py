@@ -468,7 +468,7 @@ def test_doctor_reads_the_controller_and_names_the_one_problem_planted(
     assert ("node-1", "notifier installed, current and enabled") in said
     assert ("node-2", f"reaches the webhook ({url}/healthz)") in said
     assert any(area == "prefect api" and s.endswith(" answers") for area, s in said)
-    assert any(area == "watcher" and s.startswith("looked ") for area, s in said), said
+    assert any(area == "watcher" and s.startswith("last word ") for area, s in said), said
 
     screen = CliRunner().invoke(app, ["doctor", "-c", str(doctored)], terminal_width=200)
     assert screen.exit_code == 1 and f"cluster {name}: 1 problem" in screen.output

@@ -170,7 +170,7 @@ class WatcherBeat:
 
     def describe(self, now: datetime | None = None) -> str:
         return (
-            f"looked {self.age_s(now):.0f} s ago ({self.by}, pid {self.pid}, every "
+            f"last word {self.age_s(now):.0f} s ago ({self.by}, pid {self.pid}; it looks every "
             f"{self.every_s:g} s)"
         )
 

@@ -20,6 +20,7 @@ from uuid import UUID
 from prefect import get_client, runtime
 from prefect.client.schemas.filters import (
     FlowRunFilter,
+    FlowRunFilterStartTime,
     FlowRunFilterState,
     FlowRunFilterStateType,
     FlowRunFilterTags,
@@ -167,10 +168,14 @@ FAILED_PREFIX = "Flow run encountered an exception: "
 
 
 def last_runs(config: ClusterConfig, count: int) -> list[PastRun]:
-    """The cluster's last ``count`` flow runs, newest first (those not started yet, last)."""
+    """The cluster's last ``count`` flow runs that started, newest first (the nightly
+    deployment's scheduled ones are `status`'s next run)."""
     with get_client(sync_client=True) as client:
         found = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[cluster_tag(config.name)])),
+            flow_run_filter=FlowRunFilter(
+                tags=FlowRunFilterTags(all_=[cluster_tag(config.name)]),
+                start_time=FlowRunFilterStartTime(is_null_=False),
+            ),
             sort=FlowRunSort.START_TIME_DESC,
             limit=count,
         )
