@@ -7,7 +7,7 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.text import Text
@@ -64,34 +64,19 @@ def logs(
     after = time.time() - duration_s("--since", since) if since else None
     names = [n.name for n in cluster.nodes]
     if unknown := [n for n in node or [] if n not in names]:
-        err.print(
-            f"--node {shown(unknown[0])}: not a node of {cluster.name} "
-            f"(its nodes: {', '.join(names)})",
-            markup=False,
-            highlight=False,
-        )
-        raise typer.Exit(EXIT_CONFIG)
+        _refuse(f"--node {shown(unknown[0])}: not a node of {cluster.name} (its nodes: "
+                f"{', '.join(names)})", EXIT_CONFIG)  # fmt: skip
     found = group_logs(cluster)
     if unknown := [r for r in role or [] if r not in found.roles]:
-        err.print(
-            f"--role {shown(unknown[0])}: the group runs on {found.plan.backend}, whose "
-            f"members are {', '.join(found.roles)}",
-            markup=False,
-            highlight=False,
-        )
-        raise typer.Exit(EXIT_CONFIG)
+        _refuse(f"--role {shown(unknown[0])}: the group runs on {found.plan.backend}, whose "
+                f"members are {', '.join(found.roles)}", EXIT_CONFIG)  # fmt: skip
     for name, why in found.unreachable:
         err.print(f"{name}: not read: {for_terminal(why)}", markup=False, highlight=False)
     sources = chosen(found, node or (), role or ())
     if not sources:
-        err.print(
-            f"{cluster.name}: no container of the group on "
-            f"{', '.join(node or names)}{' as ' + ', '.join(role) if role else ''}: it is not "
-            "running there (`vllm-redeploy status` shows what runs)",
-            markup=False,
-            highlight=False,
-        )
-        raise typer.Exit(EXIT_FAILED)
+        where = ", ".join(node or names) + (" as " + ", ".join(role) if role else "")
+        _refuse(f"{cluster.name}: no container of the group on {where}: it is not running "
+                "there (`vllm-redeploy status` shows what runs)", EXIT_FAILED)  # fmt: skip
     width = max(len(s.label) for s in sources)
     prefixes = {
         s: Text(s.label.ljust(width) + " | ", COLOURS[i % len(COLOURS)])
@@ -106,6 +91,11 @@ def logs(
         raise typer.Exit(130) from None
     if broke or found.unreachable:
         raise typer.Exit(EXIT_FAILED)
+
+
+def _refuse(said: str, code: int) -> NoReturn:
+    err.print(said, markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
 
 
 def _tail(text: str) -> int | str:
