@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -121,7 +121,7 @@ def test_logs_follow_prints_new_lines_as_they_come_until_interrupted(
 ) -> None:
     bed, path = served
     follow = subprocess.Popen(
-        [str(CLI), "logs", "-c", str(path), "-f", "--tail", "0"],
+        [str(CLI), "logs", "-c", str(path), "-f", "--tail", "1"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -130,6 +130,9 @@ def test_logs_follow_prints_new_lines_as_they_come_until_interrupted(
     seen: list[str] = []
     threading.Thread(target=lambda: seen.extend(follow.stdout), daemon=True).start()  # type: ignore[arg-type]
     try:
+        # Followed once each member's last line came: the streams are open (a loaded machine
+        # takes a while to start the CLI and reach both nodes).
+        wait_for(lambda: {line.split(" | ")[0].strip() for line in seen} >= FOLLOWED, 120, seen)
         marker = uuid.uuid4().hex
         deadline = time.monotonic() + 60
         while not [line for line in seen if marker in line] and time.monotonic() < deadline:
@@ -141,8 +144,22 @@ def test_logs_follow_prints_new_lines_as_they_come_until_interrupted(
         assert marked[0].startswith("node-1 leader   | "), marked
     finally:
         follow.send_signal(signal.SIGINT)
-        _, stderr = follow.communicate(timeout=30)
+        try:
+            follow.wait(timeout=60)
+        finally:
+            follow.kill()
+    stderr = follow.stderr.read()  # type: ignore[union-attr]
     assert follow.returncode == 130 and "Traceback" not in stderr, stderr
+
+
+FOLLOWED = {"node-1 leader", "node-2 follower"}
+
+
+def wait_for(done: Callable[[], bool], seconds: float, what: object) -> None:
+    deadline = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
 
 
 def test_run_on_a_paused_cluster_says_so_and_override_pause_runs_it(

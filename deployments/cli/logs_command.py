@@ -66,7 +66,10 @@ def logs(
     if unknown := [n for n in node or [] if n not in names]:
         _refuse(f"--node {shown(unknown[0])}: not a node of {cluster.name} (its nodes: "
                 f"{', '.join(names)})", EXIT_CONFIG)  # fmt: skip
-    found = group_logs(cluster)
+    try:
+        found = group_logs(cluster)
+    except KeyboardInterrupt:  # Ctrl-C while the nodes are asked: nothing to say
+        raise typer.Exit(130) from None
     if unknown := [r for r in role or [] if r not in found.roles]:
         _refuse(f"--role {shown(unknown[0])}: the group runs on {found.plan.backend}, whose "
                 f"members are {', '.join(found.roles)}", EXIT_CONFIG)  # fmt: skip
