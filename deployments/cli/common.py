@@ -27,7 +27,7 @@ from vllm_redeploy.config.runs import DEFAULT_NIGHTLY
 from vllm_redeploy.launch.choose import backend_problem
 from vllm_redeploy.safe_text import for_terminal, shown
 
-# Exit codes, one per thing a script would do about it (docs/operations.md lists them).
+# Exit codes, one per thing a script would do about it (README and docs/troubleshooting.md).
 EXIT_FAILED = 1  # the operation ran and failed, or found the cluster unhealthy
 EXIT_CONFIG = 2  # bad input (a flag, the configuration), like argparse and click
 EXIT_CONTROLLER = 3  # the controller's Prefect API is not found, does not answer or refuses us
