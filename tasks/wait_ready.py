@@ -110,6 +110,15 @@ def wait_until_ready(run: Run, plan: LaunchPlan) -> Ready:
                 version = engine_version(client, url, docker.exec_runner(name))
                 compiled = compile_cache_state(docker.logs_tail(name, "all"))
                 return Ready(listed, waited, version, compiled)
+            if listed:  # vLLM answers only once loaded, and its served names are fixed for life
+                raise StepFailed(
+                    STEP,
+                    f"{want} is not served at {url}: the server lists "
+                    f"{', '.join(map(shown, listed))} instead, and will for as long as it runs, "
+                    f"so the run stops now rather than waiting {deadline_s:g} s. Check [vllm] "
+                    "served_model_name (what clients ask for) and which server answers on that "
+                    f"port. Last log lines:\n{block(_tail(docker, name, LOG_TAIL_LINES))}",
+                )
             info = docker.get(name)
             if info is None or not info.running:
                 stopped = _stopped(run, plan, exclude=api)
@@ -154,13 +163,10 @@ def wait_until_ready(run: Run, plan: LaunchPlan) -> Ready:
                     )
             if now - started >= deadline_s:
                 tail = _tail(docker, name, LOG_TAIL_LINES)
-                stale = (
-                    f"; the server lists {', '.join(map(shown, listed))} instead" if listed else ""
-                )
                 missing = rendezvous.missing_text() if rendezvous else ""
                 raise StepFailed(
                     STEP,
-                    f"{want} was not served at {url} within {deadline_s:g} s{stale}{missing}. "
+                    f"{want} was not served at {url} within {deadline_s:g} s{missing}. "
                     f"Last log lines:\n{block(tail)}",
                 )
             time.sleep(POLL_S)

@@ -803,13 +803,15 @@ def test_a_server_serving_another_model_is_not_ready(
         outcome = run_flow(
             fault_bed,
             vllm={"env": {"VRD_FAULT": "wrong_name:some-other-model"}},
-            deadlines={"model_load_s": 8},
+            deadlines={"model_load_s": 300},
         )
         message = outcome.message
         assert message.startswith("wait-ready: ")
         assert "the server lists some-other-model instead" in message
         took = outcome.detected_after(outcome.clock.at("wait-ready", "running"))
-        row.detect = f"{took:.1f} s after the load began (deadline 8 s)"
+        # Once listed, the name never changes: the run does not wait out the deadline.
+        assert took < 120, message
+        row.detect = f"{took:.1f} s after the load began, as soon as it was listed"
     assert "probe" not in outcome.clock.failed()[1].step
     row.outcome = f"Failed, never ready: {first_line(message)}"
 
