@@ -17,7 +17,7 @@ import httpx
 from deployments.install_notifier import UNIT_NAME, file_states, notifier_files
 from vllm_redeploy.config import ClusterConfig, NodeConfig
 from vllm_redeploy.config.loading import cluster_env_file
-from vllm_redeploy.names import deployment_name
+from vllm_redeploy.names import deployment_name, lock_name
 from vllm_redeploy.nodes import NodeAccess, RemoteError, fan_out
 from vllm_redeploy.safe_text import one_line, shown
 
@@ -88,6 +88,34 @@ def watcher(config: ClusterConfig) -> Finding:
     if not beat.alive():
         return Finding("watcher", False, f"silent: it last {beat.describe()}", fix)
     return Finding("watcher", True, beat.describe())
+
+
+def lock(config: ClusterConfig) -> Finding:
+    """The cluster's lock on the Prefect server: one slot, enforced, and who holds it now."""
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    from tasks.standing.lock import holder
+
+    name = lock_name(config.name)
+    with get_client(sync_client=True) as client:
+        try:
+            limit = client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            return Finding("lock", True, f"{name}: not made yet (the first run makes it)")
+    if limit.limit != 1 or not limit.active:
+        allows = f"allows {limit.limit} runs at once" if limit.active else "is disabled"
+        return Finding(
+            "lock", False, f"{name} {allows}: two runs could change the nodes together",
+            f"`prefect gcl update {name} --limit 1 --enable` (the next run also sets it right)",
+        )  # fmt: skip
+    now = holder(config)
+    if now is not None:
+        return Finding("lock", True, f"held{now.described()}, last beat {now.age_s():.0f} s ago")
+    if limit.active_slots:
+        # Not a problem to fix: the next run frees a gone holder's slot itself.
+        return Finding("lock", True, "free (a slot still counted for a gone holder: runs free it)")
+    return Finding("lock", True, "free")
 
 
 def ssh_files(config: ClusterConfig) -> list[Finding]:

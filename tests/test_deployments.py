@@ -469,7 +469,25 @@ def test_doctor_reads_the_controller_and_names_the_one_problem_planted(
     assert ("node-2", f"reaches the webhook ({url}/healthz)") in said
     assert any(area == "prefect api" and s.endswith(" answers") for area, s in said)
     assert any(area == "watcher" and s.startswith("last word ") for area, s in said), said
+    assert ("lock", "free") in said  # the served run released it
 
     screen = CliRunner().invoke(app, ["doctor", "-c", str(doctored)], terminal_width=200)
     assert screen.exit_code == 1 and f"cluster {name}: 1 problem" in screen.output
     assert "fix: `vllm-redeploy install-notifier node-2 -c FILE`" in screen.output
+
+    # A second problem planted: the cluster's lock disabled (by hand, in the UI) enforces nothing.
+    from prefect import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
+
+    from vllm_redeploy.names import lock_name
+
+    with talking_to({"PREFECT_API_URL": prefect_api}), get_client(sync_client=True) as client:
+        client.update_global_concurrency_limit(
+            lock_name(name), GlobalConcurrencyLimitUpdate(active=False)
+        )
+    done = CliRunner().invoke(app, ["doctor", "-c", str(doctored), "--json"])
+    (lock,) = [f for f in json.loads(done.output) if f["area"] == "lock"]
+    assert not lock["ok"] and lock["said"].endswith(
+        "is disabled: two runs could change the nodes together"
+    )
+    assert lock["fix"].startswith(f"`prefect gcl update {lock_name(name)} --limit 1 --enable`")

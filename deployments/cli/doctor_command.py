@@ -23,6 +23,7 @@ from deployments.doctor import (
     Finding,
     deployments,
     env_file,
+    lock,
     nodes,
     problems,
     ssh_files,
@@ -50,7 +51,8 @@ def doctor(config: ConfigOption = Path("cluster.toml"), as_json: JsonOption = Fa
     else:
         findings.append(Finding("prefect api", True, f"{found.api.described()} answers"))
         with talking_to(found.api.environment()):
-            for check, area in ((deployments, "deployments"), (watcher, "watcher")):
+            checks = ((deployments, "deployments"), (lock, "lock"), (watcher, "watcher"))
+            for check, area in checks:
                 try:
                     findings.append(check(cluster))
                 except Exception as exc:  # the API answered /health, then failed us
