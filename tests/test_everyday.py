@@ -178,9 +178,15 @@ def test_run_on_a_paused_cluster_says_so_and_override_pause_runs_it(
         assert held.returncode == 1, held.stderr[-2000:]
         assert held.stdout.startswith("flow run bed-manual-redeploy: http")
         assert "nothing was done (skipped: paused by" in " ".join(held.stderr.split())
-        run = cli("run", "-c", str(path), "--override-pause")
+        run = cli("run", "-c", str(path), "--override-pause", "--json")
         assert run.returncode == 0, run.stderr[-2000:]
-        assert "# bed: redeployed" in run.stdout
+        ran = json.loads(run.stdout)  # stdout holds the JSON alone; the steps went to stderr
+        assert (ran["name"], ran["trigger"], ran["mode"], ran["state"], ran["action"]) == (
+            "bed-manual-redeploy", "manual", "redeploy", "Completed", "redeployed",
+        )  # fmt: skip
+        assert {"preflight", "wait-ready", "probe"} <= set(ran["steps"]), ran["steps"]
+        assert ran["probe"]["healthy"] is True, ran["probe"]
+        assert "\nflow run bed-manual-redeploy: http" in run.stderr, run.stderr[:600]
         assert engine_id(bed) != before  # redeployed while paused, as asked
         assert "paused by" in cli("status", "-c", str(path)).stdout  # the pause stays
     finally:
@@ -196,7 +202,8 @@ def test_runs_lists_the_last_runs_newest_first_with_why_and_where(
     failing = bed.write_config(bed.root / "run.toml", vllm={"env": {"VRD_FAULT": "empty"}})
     assert failing == path  # the same cluster, the same file: a run that fails at the probe
     try:
-        assert cli("run", "-c", str(path), "--keep-on-failure").returncode == 1  # left up
+        failed = cli("run", "-c", str(path), "--keep-on-failure", "--json")  # left up
+        assert failed.returncode == 1, failed.stderr[-2000:]
     finally:
         bed.write_config(bed.root / "run.toml", vllm={"env": {"VRD_LOAD_SECONDS": "1"}})
     done = cli("runs", "-c", str(path), "--json", "-n", "2")
@@ -215,6 +222,8 @@ def test_runs_lists_the_last_runs_newest_first_with_why_and_where(
         == f"{prefect_api.removesuffix('/api')}/runs/flow-run/" + newest["url"].rsplit("/", 1)[1]
     )
     assert newest["seconds"] > 0
+    # `run --json` said the same of it as `runs --json` says, and that it did nothing to show.
+    assert json.loads(failed.stdout) == {**newest, "action": None, "steps": None, "probe": None}
     started = [run["started"] for run in listed]
     assert started == sorted(started, reverse=True)
     assert all(run["failure"] == "" for run in listed if run["state"] != "Failed")

@@ -5,6 +5,7 @@ line per step when piped) and its summary at the end.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import threading
@@ -63,6 +64,14 @@ def run_command(
         ),
     ] = False,
     temporary: TemporaryApiOption = False,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="At the end, the run as `runs --json` shows it, with what it did; the steps "
+            "go to stderr.",
+        ),
+    ] = False,
 ) -> None:
     """Run the redeploy flow once, on the controller's Prefect API (PREFECT_API_URL, else the
     cluster's env file, else the installed units); refused when none is found."""
@@ -77,10 +86,10 @@ def run_command(
     os.environ.setdefault("DO_NOT_TRACK", "1")  # Prefect's client telemetry (3.9), separately
     if temporary:
         with temporary_api([cluster], [config]):
-            _run(cluster, config, mode, keep_on_failure, override_pause)
+            _run(cluster, config, mode, keep_on_failure, override_pause, as_json)
         return
     with controller_or_exit([cluster], [config], "run"):
-        _run(cluster, config, mode, keep_on_failure, override_pause)
+        _run(cluster, config, mode, keep_on_failure, override_pause, as_json)
 
 
 @app.command(rich_help_panel=EVERYDAY)
@@ -97,6 +106,10 @@ def stop(
     reason: Annotated[
         str, typer.Option(metavar="TEXT", help="Why, with --pause, for whoever looks.")
     ] = "stopped with `vllm-redeploy stop --pause`",
+    as_json: Annotated[
+        bool,
+        typer.Option("--json", help="At the end, the run as `runs --json` shows it."),
+    ] = False,
 ) -> None:
     """Remove the group on purpose, under the cluster's lock, and prove it gone: the GPUs clear,
     nothing listening on its ports. A pause does not hold it back. Without --pause the watcher
@@ -110,8 +123,8 @@ def stop(
 
             paused = pause_cluster(cluster.name, reason, None)
             said = f"{cluster.name}: {for_terminal(paused.describe())}"
-            out.print(said, markup=False, highlight=False, soft_wrap=True)
-        _run(cluster, config, "stop", False, override_pause=True)
+            (err if as_json else out).print(said, markup=False, highlight=False, soft_wrap=True)
+        _run(cluster, config, "stop", False, override_pause=True, as_json=as_json)
     if not pause:
         err.print(
             f"{cluster.name}: stopped, not paused: the watcher's recovery (if it runs) brings "
@@ -123,25 +136,40 @@ def stop(
 
 
 def _run(
-    cluster: ClusterConfig, config: Path, mode: str, keep_on_failure: bool, override_pause: bool
+    cluster: ClusterConfig,
+    config: Path,
+    mode: str,
+    keep_on_failure: bool,
+    override_pause: bool,
+    as_json: bool = False,
 ) -> None:
     """The flow once, shown as it goes; its failure, or why it changed nothing (paused), in
-    words (exit 1)."""
+    words (exit 1). With ``as_json``, stdout holds only the run, as JSON, at the end."""
     from prefect.exceptions import CancelledRun
 
     from flows.redeploy import redeploy_vllm_cluster
     from tasks.context import StepFailed
 
     # In a terminal a live view of the steps; piped, one plain line per step.
-    view = StepView(f"{cluster.name}: {mode}") if out.is_terminal else None
+    view = StepView(f"{cluster.name}: {mode}") if out.is_terminal and not as_json else None
+    steps = err if as_json else out
+    ended: list[Any] = []  # the flow run's final state
     try:
-        with _showing(view), listening(_say_the_run), listening(view or PlainSteps(out)):
-            result = redeploy_vllm_cluster(
+        with (
+            _showing(view),
+            listening(_Named(steps)),
+            listening(view or PlainSteps(steps)),
+            _as_json(ended, as_json),
+        ):
+            state = redeploy_vllm_cluster(
                 str(config),
                 mode,  # type: ignore[arg-type]
                 keep_on_failure,
                 override_pause=override_pause,
+                return_state=True,
             )
+            ended.append(state)
+            result = state.result()  # raises the run's failure
     except StepFailed as exc:
         err.print(f"[bold red]failed at {exc.step}[/]: ", end="", highlight=False)
         err.print(for_terminal(exc.reason), markup=False, highlight=False)
@@ -155,7 +183,9 @@ def _run(
         err.print(for_terminal(exc), markup=False, highlight=False)
         raise typer.Exit(EXIT_FAILED) from None
     markdown = for_terminal(result.get("summary") or f"# {result['cluster']}: {result['action']}\n")
-    if view is not None:
+    if as_json:
+        pass
+    elif view is not None:
         out.print(Markdown(markdown))
     else:
         out.print(markdown, markup=False, highlight=False, soft_wrap=True, end="")
@@ -170,10 +200,37 @@ def _run(
         raise typer.Exit(EXIT_FAILED)
 
 
-def _say_the_run(event: StepEvent) -> None:
+class _Named:
     """The flow run's name and link, first, and kept (above the live view, in a terminal)."""
-    if event.state == "named":
-        out.print(for_terminal(event.detail), markup=False, highlight=False, soft_wrap=True)
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+
+    def __call__(self, event: StepEvent) -> None:
+        if event.state == "named":
+            said = for_terminal(event.detail)
+            self.console.print(said, markup=False, highlight=False, soft_wrap=True)
+
+
+@contextlib.contextmanager
+def _as_json(ended: list[Any], wanted: bool) -> Iterator[None]:
+    """On the way out, however the run ended: the run as `runs --json` shows it, with what it
+    did (``action``, ``steps``, ``probe``; null unless it completed)."""
+    try:
+        yield
+    finally:
+        if wanted and ended:
+            _print_json(ended[0])
+
+
+def _print_json(state: Any) -> None:
+    from tasks.standing.runs import past_run
+
+    data = past_run(state.state_details.flow_run_id).as_dict()
+    done = state.result(raise_on_failure=False) if state.is_completed() else None
+    done = done if isinstance(done, dict) else {}
+    data.update({key: done.get(key) for key in ("action", "steps", "probe")})
+    out.print_json(json.dumps(data, default=str))
 
 
 @contextlib.contextmanager

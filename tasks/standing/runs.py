@@ -182,6 +182,12 @@ def last_runs(config: ClusterConfig, count: int) -> list[PastRun]:
     return [_past(run) for run in found]
 
 
+def past_run(flow_run_id: UUID) -> PastRun:
+    """One flow run, as `runs` lists it."""
+    with get_client(sync_client=True) as client:
+        return _past(client.read_flow_run(flow_run_id))
+
+
 def _past(run: FlowRun) -> PastRun:
     state = run.state
     failure = ""
