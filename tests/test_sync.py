@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -274,10 +275,26 @@ def test_the_source_copies_straight_to_the_target_when_it_can_ssh_there(sync_bed
     untag(bed, "node-2", bed.vllm_image)
     direct = login_ssh(bed.node("node-1"), bed)
     path = config_for(bed, "direct", model, sync=direct)
-    done = cli("sync", "-c", str(path))
-    keep_for_notes("sync-cli-direct", done.stdout)
+    plan = cli("sync", "--dry-run", "-c", str(path))
+    keep_for_notes("sync-cli-direct", plan.stdout)
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    assert "direct from node-1 over the fabric" in plan.stdout
+    done = cli("sync", "--json", "-c", str(path))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "direct from node-1 over the fabric" in done.stdout
+    said = json.loads(done.stdout)  # stdout holds the JSON alone: no bars, no lines
+    assert (said["source"], said["dry_run"], said["problems"], said["error"]) == (
+        "node-1", False, [], None,
+    )  # fmt: skip
+    source, target = said["nodes"]
+    assert (source["name"], source["copied"], source["route"]) == ("node-1", [], None)
+    assert target["name"] == "node-2" and target["route"].startswith("direct from node-1")
+    assert target["image"] is not None  # why: the node lacked it
+    files = [f for f in own["node-1"].rglob("*") if f.is_file()]
+    assert (target["model_files"], target["model_bytes"]) == (
+        len(files), sum(f.stat().st_size for f in files),
+    )  # fmt: skip
+    copied = {c["what"]: c for c in target["copied"]}
+    assert set(copied) == {"image", "model"} and copied["model"]["bytes"] == target["model_bytes"]
     assert image_id(bed, "node-2", bed.vllm_image) == image_id(bed, "node-1", bed.vllm_image)
     assert same_files(own["node-1"], own["node-2"])
 
