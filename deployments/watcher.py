@@ -26,6 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+import httpx
 from prefect import get_client
 from prefect.client.schemas.filters import (
     FlowRunFilter,
@@ -35,18 +36,22 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import StateType
 
 from deployments.event_sender import EventSender
+from deployments.metrics import LookFacts, RunFacts, WatchMetrics, nodes_up, reasons_of
 from tasks.standing.lock import holder
 from tasks.standing.marks import BEAT_S, beat_watcher, read_standing
 from tasks.standing.recoveries import declare_crashloop, pace, read_recover_runs
+from tasks.standing.runs import last_runs
 from vllm_redeploy.config import ClusterConfig
-from vllm_redeploy.endpoint import refused_key
+from vllm_redeploy.endpoint import api_base, refused_key
 from vllm_redeploy.events import unhealthy_event
+from vllm_redeploy.generation import METRICS_TIMEOUT, read_counters
 from vllm_redeploy.safe_text import one_line
-from vllm_redeploy.status import collect_status
+from vllm_redeploy.status import ClusterStatus, collect_status
 from vllm_redeploy.watch import Look, WatchState, judge_look
 
 log = logging.getLogger("vllm_redeploy.watch")
 UNDER_WAY = [StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING]
+UNDER_WAY_NAMES = {"Scheduled", "Pending", "Running", "Late", "AwaitingRetry", "Retrying"}
 
 
 @dataclass
@@ -56,6 +61,8 @@ class ClusterWatcher:
     state: WatchState = field(default_factory=WatchState)
     looks: int = 0
     hang: str | None = None  # what the last generation found wrong, until the next one
+    metrics: WatchMetrics | None = None
+    answered_s: float | None = None  # the last generation's latency, when it answered
 
     def look_once(self) -> None:
         """One look, and what follows from it."""
@@ -63,6 +70,7 @@ class ClusterWatcher:
         every = config.watch.generate_every
         generate = every > 0 and self.looks % every == 0
         self.looks += 1
+        started = time.monotonic()
         status = collect_status(config, quick=True, generate=generate)
         if refused_key(status.endpoint.models_error):
             self.state = WatchState()  # the engine answers: it is the watcher that lacks the key
@@ -79,17 +87,69 @@ class ClusterWatcher:
             self.hang = found.problem if found is not None else None
             if found is not None and found.verdict == "busy":
                 log.info("%s: %s", config.name, found.detail)
+            if found is not None and found.verdict == "answered":
+                self.answered_s = found.elapsed_s
         problems = tuple(status.problems)
         if self.hang is not None and self.hang not in problems and status.endpoint.models:
             problems += (self.hang,)
         standing = read_standing(config.name)
         look = Look(problems, busy=busy(config), held_back=standing.headline() is not None)
         self.state, report = judge_look(self.state, look, datetime.now(UTC), config.watch.failures)
+        if self.metrics is not None:
+            verdict = (
+                "busy" if look.busy
+                else "paused" if standing.pause is not None
+                else "crashlooping" if standing.crashloop is not None
+                else "unhealthy" if problems
+                else "healthy"
+            )  # fmt: skip
+            self.metrics.looked(config.name, self._facts(status, verdict, problems, started))
         if problems and not report and not self.state.reported and self.state.bad:
             log.info("%s: bad look %d of %d: %s", config.name, self.state.bad,
                      config.watch.failures, one_line("; ".join(problems)))  # fmt: skip
         if report:
             self.report()
+
+    def _facts(
+        self, status: ClusterStatus, verdict: str, problems: tuple[str, ...], started: float
+    ) -> LookFacts:
+        engine = None
+        if status.endpoint.models is not None:  # the API answers: one more GET, its /metrics
+            with httpx.Client(timeout=METRICS_TIMEOUT) as client:
+                engine = read_counters(client, api_base(self.config))
+        reasons = reasons_of(self.config, status)
+        if self.hang is not None and self.hang in problems:
+            reasons |= {"hang"}
+        return LookFacts(
+            verdict,
+            reasons if problems else frozenset(),
+            self.state.bad,
+            time.time(),
+            time.monotonic() - started,
+            nodes_up(self.config, status),
+            self.answered_s,
+            engine,
+        )
+
+    def tell_last_run(self) -> None:
+        """The cluster's last run that ended and its recoveries, for the metrics."""
+        if self.metrics is None:
+            return
+        found = [r for r in last_runs(self.config, 10) if r.state not in UNDER_WAY_NAMES]
+        ended = next(iter(found), None)
+        if ended is None or ended.started is None:
+            return
+        served = next((r for r in found if r.state == "Completed" and r.mode != "stop"), None)
+        self.metrics.ran(
+            self.config.name,
+            RunFacts(
+                ended.state == "Completed",
+                ended.started.timestamp() + (ended.seconds or 0.0),
+                ended.seconds or 0.0,
+                served.seconds if served is not None else None,
+                pace(self.config.name, self.config.watch).count,
+            ),
+        )
 
     def report(self) -> None:
         """Tell Prefect: unhealthy, or crash-looping when recoveries are used up; hold the report
@@ -127,12 +187,19 @@ def busy(config: ClusterConfig) -> bool:
         return bool(read_recover_runs(client, config.name, FlowRunFilter(state=under_way), limit=1))
 
 
-def watch_clusters(configs: list[ClusterConfig], stop: threading.Event | None = None) -> None:
-    """Watch every cluster on its own thread until ``stop`` is set (or the process ends)."""
+def watch_clusters(
+    configs: list[ClusterConfig],
+    stop: threading.Event | None = None,
+    metrics: WatchMetrics | None = None,
+) -> None:
+    """Watch every cluster on its own thread until ``stop`` is set (or the process ends);
+    with ``metrics``, tell it what each look saw."""
     stop = stop or threading.Event()
     sender = EventSender()
     threads = [
-        threading.Thread(target=_loop, args=(ClusterWatcher(c, sender), stop), name=c.name)
+        threading.Thread(
+            target=_loop, args=(ClusterWatcher(c, sender, metrics=metrics), stop), name=c.name
+        )
         for c in configs
     ]
     for thread in threads:
@@ -160,6 +227,7 @@ def _loop(watcher: ClusterWatcher, stop: threading.Event) -> None:
         if started - beaten >= BEAT_S:
             try:
                 beat_watcher(name, interval)
+                watcher.tell_last_run()
                 beaten = started
             except Exception as exc:  # Prefect away: said at the next beat
                 log.warning("%s: could not say in Prefect that it watches: %s", name, one_line(exc))

@@ -90,6 +90,7 @@ have docker-compose || works docker compose version ||
   need docker-compose "docker-compose config: the controller's compose.yaml"
 have chromium || have chromium-browser || need chromium "the browser test of the UI"
 have faketime || need faketime "libfaketime: a run on a clock minutes behind (test_hands_off)"
+have prometheus || need prometheus "Prometheus: scrapes the watcher's metrics (test_metrics)"
 fc-list 2>/dev/null | grep -qi dejavu || need fonts-dejavu-core "a font for the browser test"
 
 if ((${#plan[@]})); then

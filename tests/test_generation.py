@@ -18,8 +18,10 @@ def test_the_real_engines_metrics_while_it_generates_and_after() -> None:
     counted are prompt plus generated)."""
     busy = parse_metrics((FIXTURES / "metrics-busy.txt").read_text())
     idle = parse_metrics((FIXTURES / "metrics-idle.txt").read_text())
-    assert busy == EngineCounters(running=1, waiting=0, tokens=54 + 1489)
-    assert idle == EngineCounters(running=0, waiting=0, tokens=54 + 1801)
+    assert busy == EngineCounters(
+        1, 0, tokens=54 + 1489, generated=1489, kv_cache_usage=0.0003051944088384717
+    )
+    assert idle == EngineCounters(0, 0, tokens=54 + 1801, generated=1801, kv_cache_usage=0.0)
 
 
 @pytest.mark.parametrize(

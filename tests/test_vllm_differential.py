@@ -248,6 +248,8 @@ def test_the_metrics_that_tell_busy_from_stuck_read_alike(servers: dict[str, Ser
         after = parse_metrics(server.get("/metrics").text)
         assert (after.running, after.waiting) == (0, 0), engine
         assert after.tokens > before.tokens, (engine, before, after)
+        assert after.generated > before.generated, (engine, before, after)  # the watcher relays
+        assert after.kv_cache_usage is not None and 0 <= after.kv_cache_usage <= 1, engine
 
 
 def test_the_api_key_guards_the_same_routes_with_the_same_401(servers: dict[str, Server]) -> None:

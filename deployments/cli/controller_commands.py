@@ -51,21 +51,61 @@ def serve(config: ConfigsOption = CONFIGS_DEFAULT) -> None:
 
 
 @app.command(rich_help_panel=SERVICES)
-def watch(config: ConfigsOption = CONFIGS_DEFAULT) -> None:
+def watch(
+    config: ConfigsOption = CONFIGS_DEFAULT,
+    metrics: Annotated[
+        str,
+        typer.Option(
+            metavar="ADDRESS",
+            help="Serve Prometheus metrics of what the watcher sees at http://ADDRESS/metrics "
+            "(HOST:PORT, e.g. 127.0.0.1:9764; one port per watch process), or off.",
+        ),
+    ] = "off",
+) -> None:
     """Watch clusters between runs; tell Prefect (vllm.cluster.unhealthy) when one goes down."""
     clusters = load_all_or_exit(config)
+    where = _metrics_address(metrics)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per look is noise
+    from deployments.metrics import WatchMetrics, serve_metrics
     from deployments.watcher import watch_clusters
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    seen = None
+    if where is not None:
+        seen = WatchMetrics()
+        try:
+            serve_metrics(seen, *where)
+        except OSError as exc:
+            err.print(
+                f"watch: cannot serve metrics on {for_terminal(metrics)}: {for_terminal(exc)}. "
+                "Choose another --metrics HOST:PORT, or --metrics off.",
+                markup=False, highlight=False, soft_wrap=True,
+            )  # fmt: skip
+            raise typer.Exit(EXIT_CONFIG) from None
+        logging.getLogger("vllm_redeploy.watch").info("metrics at http://%s/metrics", metrics)
     with controller_or_exit(clusters, config, "watch", check=False):
         try:
-            watch_clusters(clusters, stop)
+            watch_clusters(clusters, stop, seen)
         except KeyboardInterrupt:
             stop.set()
+
+
+def _metrics_address(value: str) -> tuple[str, int] | None:
+    """``HOST:PORT`` (IPv6 in brackets) as (host, port); None for ``off``; else exit 2."""
+    if value == "off":
+        return None
+    host, sep, port = value.rpartition(":")
+    if sep and host and port.isdigit() and 0 < int(port) < 65536:
+        return host.strip("[]"), int(port)
+    err.print(
+        f"watch: --metrics {for_terminal(value)} is not HOST:PORT (e.g. 127.0.0.1:9764, or "
+        "0.0.0.0:9764 for a Prometheus on another machine) nor off.",
+        markup=False, highlight=False, soft_wrap=True,
+    )  # fmt: skip
+    raise typer.Exit(EXIT_CONFIG)
 
 
 @app.command(rich_help_panel=EVERYDAY)

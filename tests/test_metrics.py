@@ -1,0 +1,142 @@
+"""The watcher's metrics, scraped by a real Prometheus (Debian's) while the bed serves: what
+its HTTP API answers matches the bed, and a killed engine shows within two looks."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from deployments.cli.prefect_api import talking_to
+from deployments.metrics import WatchMetrics, serve_metrics
+from deployments.watcher import watch_clusters
+from flows.redeploy import redeploy_vllm_cluster
+from tests.conftest import keep_for_notes, make_bed
+from tests.testbed.procs import free_port, spawn, stop
+from vllm_redeploy.config import load_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+INTERVAL_S = 2  # the watcher's look, and Prometheus' scrape, in the test
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+
+
+@contextlib.contextmanager
+def prometheus(target: str, root: Path) -> Iterator[str]:
+    """A real Prometheus scraping ``target`` every second; its API's base URL."""
+    config = root / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        f"scrape_configs:\n  - job_name: vllm-redeploy\n    static_configs:\n"
+        f"      - targets: ['{target}']\n"
+    )
+    port = free_port("127.0.0.1")
+    proc = spawn(
+        [
+            PROMETHEUS,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={root / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        root / "prometheus.log",
+    )
+    try:
+        yield f"http://127.0.0.1:{port}/api/v1"
+    finally:
+        stop(proc)
+
+
+def query(api: str, promql: str) -> list[dict[str, Any]]:
+    answer = httpx.get(f"{api}/query", params={"query": promql}, timeout=5).json()
+    assert answer["status"] == "success", answer
+    return answer["data"]["result"]
+
+
+def until(api: str, promql: str, seconds: float) -> list[dict[str, Any]]:
+    """The query's result once it is not empty."""
+    deadline = time.monotonic() + seconds
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if found := query(api, promql):
+                return found
+        assert time.monotonic() < deadline, f"no data for {promql} within {seconds} s"
+        time.sleep(0.5)
+
+
+def test_prometheus_scrapes_what_the_watcher_sees_and_a_killed_engine_shows_in_two_looks(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    bed = make_bed(2, "h200", first_ip=87)
+    stopped = threading.Event()
+    try:
+        path = bed.write_config(
+            bed.root / "run.toml",
+            vllm={"env": {"VRD_LOAD_SECONDS": "1"}},
+            watch={"interval_s": INTERVAL_S, "generate_every": 1},
+        )
+        state = redeploy_vllm_cluster(str(path), "redeploy", return_state=True)
+        assert state.is_completed(), state.result(raise_on_failure=False)
+        config = load_config(path, env_file=None)
+        metrics = WatchMetrics()
+        port = free_port("127.0.0.1")
+        server = serve_metrics(metrics, "127.0.0.1", port)
+        looker = threading.Thread(target=watch_clusters, args=([config], stopped, metrics))
+        with talking_to({"PREFECT_API_URL": prefect_api}):
+            looker.start()
+        with prometheus(f"127.0.0.1:{port}", tmp_path) as api:
+            on = '{cluster="bed"}'
+            healthy = until(api, 'vllm_redeploy_cluster_verdict{verdict="healthy"} == 1', 60)
+            assert healthy[0]["metric"]["cluster"] == "bed"
+            up = until(api, f"vllm_redeploy_node_up{on} == 1", 10)
+            assert sorted(r["metric"]["node"] for r in up) == ["node-1", "node-2"]
+            assert query(api, f"vllm_redeploy_cluster_problem{on} == 1") == []
+            # The engine's own figures, relayed: the watcher's 1-token generations count.
+            until(api, f"vllm_redeploy_engine_generation_tokens_total{on} > 0", 30)
+            assert query(api, f"vllm_redeploy_engine_requests_waiting{on}")
+            assert query(api, f"vllm_redeploy_engine_kv_cache_usage_ratio{on}")
+            until(api, f"vllm_redeploy_generation_latency_seconds{on} > 0", 30)
+            # The run that served it, read from Prefect at the watcher's first beat.
+            run = until(api, f"vllm_redeploy_last_run_success{on}", 30)
+            assert run[0]["value"][1] == "1"
+            assert float(until(api, f"vllm_redeploy_served_after_seconds{on}", 5)[0]["value"][1])
+            assert until(api, f"vllm_redeploy_recoveries{on}", 5)[0]["value"][1] == "0"
+            scrape = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+            keep_for_notes("metrics-scrape", scrape)
+
+            with contextlib.closing(bed.nodes[0].engine.client()) as client:
+                client.containers.get("vllm-redeploy-bed-engine").kill()
+            killed = time.monotonic()
+            until(api, 'vllm_redeploy_cluster_verdict{verdict="unhealthy"} == 1', 60)
+            took = time.monotonic() - killed
+            # Two looks, plus a scrape and the look's own time (a busy machine's share).
+            keep_for_notes(
+                "metrics-engine-killed", f"unhealthy in Prometheus {took:.1f} s after the kill"
+            )
+            assert took < 2 * INTERVAL_S + 12, took
+            reasons = query(api, f"vllm_redeploy_cluster_problem{on} == 1")
+            assert {r["metric"]["reason"] for r in reasons} >= {"not_running"}, reasons
+            down = query(api, f"vllm_redeploy_node_up{on} == 0")
+            assert [r["metric"]["node"] for r in down] == ["node-1"], down
+    finally:
+        stopped.set()
+        with contextlib.suppress(NameError):
+            looker.join(60)
+            server.shutdown()
+        bed.down()
+
+
+def test_watch_refuses_a_metrics_address_it_cannot_read() -> None:
+    from typer.testing import CliRunner
+
+    from deployments.cli import app
+
+    example = Path(__file__).parents[1] / "cluster.example.toml"
+    done = CliRunner().invoke(app, ["watch", "-c", str(example), "--metrics", "9764"])
+    assert done.exit_code == 2
+    assert "--metrics 9764 is not HOST:PORT" in done.output
