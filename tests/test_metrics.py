@@ -4,6 +4,7 @@ its HTTP API answers matches the bed, and a killed engine shows within two looks
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import threading
 import time
@@ -25,6 +26,7 @@ from vllm_redeploy.config import load_config
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 INTERVAL_S = 2  # the watcher's look, and Prometheus' scrape, in the test
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+DASHBOARD = Path(__file__).parents[1] / "deployments/grafana/vllm-redeploy.json"
 
 
 @contextlib.contextmanager
@@ -108,6 +110,16 @@ def test_prometheus_scrapes_what_the_watcher_sees_and_a_killed_engine_shows_in_t
             assert until(api, f"vllm_redeploy_recoveries{on}", 5)[0]["value"][1] == "0"
             scrape = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
             keep_for_notes("metrics-scrape", scrape)
+            # Every panel of the dashboard gets data, and its cluster list names the cluster.
+            panels = json.loads(DASHBOARD.read_text())["panels"]
+            for expr in [t["expr"] for panel in panels for t in panel["targets"]]:
+                until(api, expr.replace("$cluster", "bed"), 15)
+            listed = httpx.get(
+                f"{api}/label/cluster/values",
+                params={"match[]": "vllm_redeploy_cluster_verdict"},
+                timeout=5,
+            ).json()["data"]
+            assert listed == ["bed"]
 
             with contextlib.closing(bed.nodes[0].engine.client()) as client:
                 client.containers.get("vllm-redeploy-bed-engine").kill()

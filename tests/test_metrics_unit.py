@@ -3,6 +3,10 @@ a look and a run, through the client library's own exposition and parser."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -79,3 +83,33 @@ def test_the_engines_figures_are_relayed_under_the_clusters_label() -> None:
     assert found[("vllm_redeploy_node_up", (("cluster", "pair"), ("node", "spark-b")))] == 1
     names = {name for name, _ in found}
     assert all(n.startswith("vllm_redeploy_") for n in names)
+
+
+REPO = Path(__file__).parents[1]
+
+
+def test_the_compose_profile_scrapes_the_watcher_and_provisions_the_dashboard() -> None:
+    """compose.yaml's observability profile: Prometheus scrapes the port the watcher serves,
+    Grafana's data source has the uid every panel names, and the dashboard is mounted where
+    the provider looks."""
+    services = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]
+    command = services["watcher"]["command"]
+    port = command[command.index("--metrics") + 1].rpartition(":")[2]
+    scrape = yaml.safe_load((REPO / "deployments/compose/prometheus.yml").read_text())
+    (job,) = scrape["scrape_configs"]
+    assert job["static_configs"][0]["targets"] == [f"watcher:{port}"]
+    assert {services[n]["profiles"][0] for n in ("prometheus", "grafana")} == {"observability"}
+    grafana = REPO / "deployments/compose/grafana"
+    (source,) = yaml.safe_load((grafana / "datasources.yml").read_text())["datasources"]
+    assert source["url"] == "http://prometheus:9090"
+    dashboard = json.loads((REPO / "deployments/grafana/vllm-redeploy.json").read_text())
+    named = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p["targets"]}
+    assert named == {source["uid"]}
+    (provider,) = yaml.safe_load((grafana / "dashboards.yml").read_text())["providers"]
+    mounts = dict(v.split(":")[:2] for v in services["grafana"]["volumes"])
+    assert mounts["./deployments/grafana/vllm-redeploy.json"].startswith(
+        provider["options"]["path"]
+    )
+    assert all(
+        not port.startswith("0.0.0.0") for s in services.values() for port in s.get("ports", [])
+    )
