@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import httpx
 from prefect import get_client
@@ -37,6 +37,7 @@ from prefect.client.schemas.objects import StateType
 
 from deployments.event_sender import EventSender
 from deployments.metrics import LookFacts, RunFacts, WatchMetrics, nodes_up, reasons_of
+from deployments.now_artifact import NowArtifact, now_markdown
 from tasks.standing.lock import holder
 from tasks.standing.marks import BEAT_S, beat_watcher, read_standing
 from tasks.standing.recoveries import declare_crashloop, pace, read_recover_runs
@@ -46,7 +47,7 @@ from vllm_redeploy.endpoint import api_base, refused_key
 from vllm_redeploy.events import unhealthy_event
 from vllm_redeploy.generation import METRICS_TIMEOUT, read_counters
 from vllm_redeploy.safe_text import one_line
-from vllm_redeploy.status import ClusterStatus, collect_status
+from vllm_redeploy.status import ClusterStatus, collect_status, duration
 from vllm_redeploy.watch import Look, WatchState, judge_look
 
 log = logging.getLogger("vllm_redeploy.watch")
@@ -62,7 +63,10 @@ class ClusterWatcher:
     looks: int = 0
     hang: str | None = None  # what the last generation found wrong, until the next one
     metrics: WatchMetrics | None = None
+    now: NowArtifact | None = None  # the "cluster now" view in the UI
     answered_s: float | None = None  # the last generation's latency, when it answered
+    last_run: str | None = None  # in words, for the view
+    seen: tuple[LookFacts, tuple[str, ...]] | None = None  # the last look's facts, problems
 
     def look_once(self) -> None:
         """One look, and what follows from it."""
@@ -95,20 +99,37 @@ class ClusterWatcher:
         standing = read_standing(config.name)
         look = Look(problems, busy=busy(config), held_back=standing.headline() is not None)
         self.state, report = judge_look(self.state, look, datetime.now(UTC), config.watch.failures)
+        verdict = (
+            "busy" if look.busy
+            else "paused" if standing.pause is not None
+            else "crashlooping" if standing.crashloop is not None
+            else "unhealthy" if problems
+            else "healthy"
+        )  # fmt: skip
+        facts = self._facts(status, verdict, problems, started)
+        self.seen = (facts, problems)
         if self.metrics is not None:
-            verdict = (
-                "busy" if look.busy
-                else "paused" if standing.pause is not None
-                else "crashlooping" if standing.crashloop is not None
-                else "unhealthy" if problems
-                else "healthy"
-            )  # fmt: skip
-            self.metrics.looked(config.name, self._facts(status, verdict, problems, started))
+            self.metrics.looked(config.name, facts)
         if problems and not report and not self.state.reported and self.state.bad:
             log.info("%s: bad look %d of %d: %s", config.name, self.state.bad,
                      config.watch.failures, one_line("; ".join(problems)))  # fmt: skip
         if report:
             self.report()
+        self.show_now()
+
+    def show_now(self, *, again: bool = False) -> None:
+        """The UI's view of the cluster, from the last look (Prefect away: said, not fatal)."""
+        if self.now is None or self.seen is None:
+            return
+        facts, problems = self.seen
+        try:
+            self.now.show(
+                now_markdown(self.config.name, facts, problems, self.last_run), again=again
+            )
+        except Exception as exc:
+            log.warning(
+                "%s: could not show the cluster in Prefect: %s", self.config.name, one_line(exc)
+            )
 
     def _facts(
         self, status: ClusterStatus, verdict: str, problems: tuple[str, ...], started: float
@@ -132,12 +153,19 @@ class ClusterWatcher:
         )
 
     def tell_last_run(self) -> None:
-        """The cluster's last run that ended and its recoveries, for the metrics."""
-        if self.metrics is None:
+        """The cluster's last run that ended and its recoveries, for the metrics and the view."""
+        if self.metrics is None and self.now is None:
             return
         found = [r for r in last_runs(self.config, 10) if r.state not in UNDER_WAY_NAMES]
         ended = next(iter(found), None)
         if ended is None or ended.started is None:
+            return
+        end = ended.started + timedelta(seconds=ended.seconds or 0.0)
+        self.last_run = (
+            f"{ended.name}, {ended.state} at {end.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC after "
+            f"{duration(ended.seconds)}" + (f": {ended.failure}" if ended.failure else "")
+        )
+        if self.metrics is None:
             return
         served = next((r for r in found if r.state == "Completed" and r.mode != "stop"), None)
         self.metrics.ran(
@@ -198,7 +226,9 @@ def watch_clusters(
     sender = EventSender()
     threads = [
         threading.Thread(
-            target=_loop, args=(ClusterWatcher(c, sender, metrics=metrics), stop), name=c.name
+            target=_loop,
+            args=(ClusterWatcher(c, sender, metrics=metrics, now=NowArtifact(c.name)), stop),
+            name=c.name,
         )
         for c in configs
     ]
@@ -228,6 +258,7 @@ def _loop(watcher: ClusterWatcher, stop: threading.Event) -> None:
             try:
                 beat_watcher(name, interval)
                 watcher.tell_last_run()
+                watcher.show_now(again=True)  # the time of the last look, once a minute
                 beaten = started
             except Exception as exc:  # Prefect away: said at the next beat
                 log.warning("%s: could not say in Prefect that it watches: %s", name, one_line(exc))

@@ -110,6 +110,7 @@ def test_prometheus_scrapes_what_the_watcher_sees_and_a_killed_engine_shows_in_t
             assert until(api, f"vllm_redeploy_recoveries{on}", 5)[0]["value"][1] == "0"
             scrape = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
             keep_for_notes("metrics-scrape", scrape)
+            assert now_view(prefect_api).startswith("# bed now: healthy")
             # Every panel of the dashboard gets data, and its cluster list names the cluster.
             panels = json.loads(DASHBOARD.read_text())["panels"]
             for expr in [t["expr"] for panel in panels for t in panel["targets"]]:
@@ -131,6 +132,14 @@ def test_prometheus_scrapes_what_the_watcher_sees_and_a_killed_engine_shows_in_t
                 "metrics-engine-killed", f"unhealthy in Prometheus {took:.1f} s after the kill"
             )
             assert took < 2 * INTERVAL_S + 12, took
+            # The UI's view of the cluster: one artifact, updated in place.
+            deadline = time.monotonic() + 30
+            while not (view := now_view(prefect_api)).startswith("# bed now: unhealthy"):
+                assert time.monotonic() < deadline, view
+                time.sleep(0.5)
+            assert "| node-1 | no |" in view and "| node-2 | yes |" in view, view
+            assert "Last run: bed-manual-redeploy, Completed " in view, view
+            keep_for_notes("metrics-now-artifact", view)
             reasons = query(api, f"vllm_redeploy_cluster_problem{on} == 1")
             assert {r["metric"]["reason"] for r in reasons} >= {"not_running"}, reasons
             down = query(api, f"vllm_redeploy_node_up{on} == 0")
@@ -152,3 +161,14 @@ def test_watch_refuses_a_metrics_address_it_cannot_read() -> None:
     done = CliRunner().invoke(app, ["watch", "-c", str(example), "--metrics", "9764"])
     assert done.exit_code == 2
     assert "--metrics 9764 is not HOST:PORT" in done.output
+
+
+def now_view(prefect_api: str) -> str:
+    """The ``bed-now`` artifact's text; its versions: one (updated in place)."""
+    found = httpx.post(
+        f"{prefect_api}/artifacts/filter",
+        json={"artifacts": {"key": {"any_": ["bed-now"]}}},
+        timeout=10,
+    ).json()
+    assert len(found) == 1, [a["id"] for a in found]
+    return str(found[0]["data"])

@@ -4,7 +4,6 @@ step view, and the README's automation on `vllm.cluster.failed`, end to end on a
 from __future__ import annotations
 
 import io
-import json
 import re
 import subprocess
 import sys
@@ -13,7 +12,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,7 @@ from deployments.cli.run_view import PlainSteps, StepView
 from tasks.stop_autostart import StopReport
 from tests.test_probe import THINKING, completion
 from tests.testbed.procs import free_port
+from tests.testbed.receiver import Receiver
 from vllm_redeploy.gpus import GpuReport
 from vllm_redeploy.launch.backend import GroupMember, GroupStatus
 from vllm_redeploy.parsers.nvidia_smi import GPU_FIELDS, parse_compute_apps, parse_gpus
@@ -218,25 +217,6 @@ def test_plain_steps_print_one_line_per_finished_step() -> None:
 
 
 # --- the README's automation, on a real Prefect server ---------------------------------------
-
-
-class Receiver(ThreadingHTTPServer):
-    """A notification endpoint on loopback: keeps every JSON body posted to it."""
-
-    def __init__(self, host: str) -> None:
-        self.bodies: list[dict[str, Any]] = []
-        super().__init__((host, free_port(host)), _Handler)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    def do_POST(self) -> None:
-        length = int(self.headers.get("Content-Length", 0))
-        self.server.bodies.append(json.loads(self.rfile.read(length)))  # type: ignore[attr-defined]
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
 
 
 @pytest.fixture

@@ -148,6 +148,45 @@ def pause(
         out.print("  no run of it is under way", markup=False, highlight=False)
 
 
+@app.command(rich_help_panel=SETUP)
+def alerts(
+    config: ConfigOption = Path("cluster.toml"),
+    remove: Annotated[
+        bool, typer.Option("--remove", help="Remove the cluster's alerts instead.")
+    ] = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Set up the cluster's alerts as Prefect automations through the notification block that
+    [alerts] block names: a run failed, crash-looping, unhealthy longer than [alerts]
+    unhealthy_for_s, the nightly run late. Again: replaces them."""
+    cluster = load_or_exit(config)
+    from deployments.alerts import AlertsProblem, remove_alerts, set_up_alerts
+
+    with controller_or_exit([cluster], [config], "alerts"):
+        try:
+            if remove:
+                made, gone = [], remove_alerts(cluster)
+            else:
+                made, gone = set_up_alerts(cluster), 0
+        except AlertsProblem as exc:
+            err.print(for_terminal(exc), markup=False, highlight=False, soft_wrap=True)
+            raise typer.Exit(EXIT_CONFIG) from None
+    if as_json:
+        names = [a.name for a in made]
+        out.print_json(json.dumps({"cluster": cluster.name, "alerts": names, "removed": gone}))
+        return
+    if remove:
+        out.print(f"{cluster.name}: {gone} alert(s) removed", markup=False, highlight=False)
+        return
+    for automation in made:
+        out.print(f"{automation.name}: {automation.description}", markup=False, highlight=False)
+    out.print(
+        f"{cluster.name}: {len(made)} alerts through {cluster.alerts.block}",
+        markup=False,
+        highlight=False,
+    )
+
+
 @app.command(rich_help_panel=EVERYDAY)
 def resume(config: ConfigOption = Path("cluster.toml"), as_json: JsonOption = False) -> None:
     """End a pause and a crash-loop mark: automatic runs may touch the cluster again."""

@@ -17,6 +17,7 @@ from vllm_redeploy.config.launch import (
 )
 from vllm_redeploy.config.nodes import NodeConfig, SSHConfig
 from vllm_redeploy.config.runs import (
+    AlertsConfig,
     AutostartConfig,
     DeadlinesConfig,
     LockConfig,
@@ -60,6 +61,7 @@ class ClusterConfig(BaseSettings):
     deadlines: DeadlinesConfig = Field(default_factory=DeadlinesConfig)
     lock: LockConfig = Field(default_factory=LockConfig)
     watch: WatchConfig = Field(default_factory=WatchConfig)
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig)
     probe: ProbeConfig = Field(default_factory=ProbeConfig)
     webhook: WebhookConfig = Field(default_factory=WebhookConfig)
     secrets: SecretsConfig = Field(default_factory=SecretsConfig)

@@ -144,6 +144,22 @@ class WatchConfig(Section):
     )
 
 
+class AlertsConfig(Section):
+    block: str | None = Field(
+        None,
+        pattern=r"^[a-z0-9][a-z0-9-]*/[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="The Prefect notification block the alerts go through, as TYPE/NAME (e.g. "
+        "slack-webhook/ops; `prefect block ls` lists them): its secrets stay in Prefect. "
+        "`vllm-redeploy alerts` sets the alerts up; none without it.",
+    )
+    unhealthy_for_s: Seconds = Field(
+        900,
+        ge=10,  # Prefect's minimum for a trigger on an event that does not come
+        description="Alert when the watcher reported the cluster unhealthy and no run brought "
+        "it back (vllm.cluster.ready) within this long.",
+    )
+
+
 class ProbeConfig(Section):
     prompt: str = Field("Say hello in one sentence.", min_length=1, description="Sanity prompt.")
     max_tokens: int = Field(50, ge=1, description="Token budget of the probe.")

@@ -1,0 +1,158 @@
+"""`vllm-redeploy alerts` on a real Prefect server: the automations it makes send through a real
+notification block (Prefect's Custom Webhook) to a receiver on loopback, for a run that fails and
+for a cluster still down after [alerts] unhealthy_for_s; a cluster back in time sends nothing."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from deployments.cli import app
+from flows.redeploy import redeploy_vllm_cluster
+from tests.conftest import keep_for_notes
+from tests.testbed.procs import free_port
+from tests.testbed.receiver import Receiver
+from vllm_redeploy.events import unhealthy_event
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+UNHEALTHY_FOR_S = 10  # Prefect's minimum
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    server = Receiver("127.0.0.95")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def post(prefect_api: str, event: dict[str, Any]) -> None:
+    event = {"id": str(uuid.uuid4()), "occurred": datetime.now(UTC).isoformat(), **event}
+    httpx.post(f"{prefect_api}/events", json=[event], timeout=10).raise_for_status()
+
+
+def received(receiver: Receiver, text: str, seconds: float) -> dict[str, Any]:
+    deadline = time.monotonic() + seconds
+    while True:
+        found = [b for b in receiver.bodies if text in b["subject"] + b["body"]]
+        if found:
+            return found[0]
+        assert time.monotonic() < deadline, f"no {text!r} within {seconds} s: {receiver.bodies}"
+        time.sleep(0.25)
+
+
+def cluster_file(tmp_path: Path, cluster: str, block: str) -> Path:
+    """A cluster whose only node never answers: its runs fail at preflight within seconds."""
+    (tmp_path / "known_hosts").write_text("")
+    path = tmp_path / f"{cluster}.toml"
+    path.write_text(
+        f'name = "{cluster}"\n'
+        "[[nodes]]\n"
+        'name = "ghost"\n'
+        'address = "127.0.0.95"\n'
+        f"ssh_port = {free_port('127.0.0.95')}\n"
+        "[ssh]\n"
+        f'known_hosts = "{tmp_path / "known_hosts"}"\n'
+        "connect_timeout_s = 1\n"
+        "[vllm]\n"
+        'image = "vllm/vllm-openai:v0.19.0"\n'
+        'model = "/models/Qwen3.5-122B-A10B-FP8"\n'
+        "tensor_parallel_size = 1\n"
+        "[deadlines]\n"
+        "nodes_reachable_s = 1\n"
+        "[alerts]\n"
+        f'block = "{block}"\n'
+        f"unhealthy_for_s = {UNHEALTHY_FOR_S}\n"
+    )
+    return path
+
+
+def test_alerts_say_a_run_failed_and_a_cluster_still_down_and_nothing_when_it_came_back(
+    prefect_api: str, receiver: Receiver, tmp_path: Path
+) -> None:
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
+
+    host, port = str(receiver.server_address[0]), int(receiver.server_address[1])
+    block = f"alerts-{uuid.uuid4().hex[:8]}"
+    CustomWebhookNotificationBlock(
+        name="operator",
+        url=f"http://{host}:{port}/notify",
+        json_data={"subject": "{{subject}}", "body": "{{body}}"},
+    ).save(block)
+    cluster = f"alerted{uuid.uuid4().hex[:6]}"
+    path = cluster_file(tmp_path, cluster, f"custom-webhook/{block}")
+    cli = CliRunner(env={"PREFECT_API_URL": prefect_api})
+    made = cli.invoke(app, ["alerts", "-c", str(path), "--json"])
+    assert made.exit_code == 0, made.output
+    names = json.loads(made.output)["alerts"]
+    # No nightly deployment registered here: no alert for a nightly run that cannot be late.
+    assert names == [f"vllm-redeploy alert: {cluster} {what}" for what in
+                     ("failed", "crash-looping", "unhealthy")]  # fmt: skip
+    again = cli.invoke(app, ["alerts", "-c", str(path), "--json"])  # replaces, never doubles
+    assert again.exit_code == 0 and json.loads(again.output)["alerts"] == names
+    resource = {"prefect.resource.id": f"vllm-redeploy.cluster.{cluster}"}
+    try:
+        # Prefect's triggers load a new automation on their next pass: ask until one answers.
+        deadline = time.monotonic() + 120
+        while not any("arming" in b["subject"] for b in receiver.bodies):
+            assert time.monotonic() < deadline, receiver.bodies
+            post(prefect_api, {"event": "vllm.cluster.failed", "resource": resource,
+                               "payload": {"step": "arming", "reason": "loaded yet?"}})  # fmt: skip
+            time.sleep(2)
+        receiver.bodies.clear()
+
+        # Still down: the absence of vllm.cluster.ready after the watcher's report.
+        reported = time.monotonic()
+        post(
+            prefect_api, unhealthy_event(cluster, ["the engine is not running"], datetime.now(UTC))
+        )
+        down = received(receiver, f"{cluster} is still down", 60)
+        still_down_s = time.monotonic() - reported
+        assert still_down_s >= UNHEALTHY_FOR_S - 1, still_down_s  # not before its time
+        assert f"no run brought it back within {UNHEALTHY_FOR_S} s." in down["body"], down
+        receiver.bodies.clear()
+
+        # Back in time (a run served it before unhealthy_for_s): no alert.
+        since = datetime.now(UTC)
+        post(prefect_api, unhealthy_event(cluster, ["the engine is not running"], since))
+        post(prefect_api, {"event": "vllm.cluster.ready", "resource": resource, "payload": {}})
+        time.sleep(UNHEALTHY_FOR_S + 15)
+        assert not [b for b in receiver.bodies if "still down" in b["subject"]], receiver.bodies
+
+        # A real run that fails: the step, the reason, and the run.
+        started = time.monotonic()
+        state = redeploy_vllm_cluster(str(path), "redeploy", return_state=True)
+        assert state.is_failed()
+        failed = received(receiver, f"{cluster}: a run failed at preflight", 60)
+        failed_s = time.monotonic() - started
+        assert "node ghost did not come back within 1 s" in failed["body"], failed
+        # Its name; its page too where the server knows its UI's address (not this one).
+        assert failed["body"].endswith(f"\nThe run: {cluster}-manual-redeploy"), failed
+        keep_for_notes(
+            "alerts",
+            f"# a run failed ({failed_s:.1f} s from the run's start)\n\n{failed['subject']}\n\n"
+            f"{failed['body']}\n\n# still down ({still_down_s:.1f} s after the report, "
+            f"unhealthy_for_s = {UNHEALTHY_FOR_S})\n\n{down['subject']}\n\n{down['body']}\n",
+        )
+    finally:
+        removed = cli.invoke(app, ["alerts", "-c", str(path), "--remove", "--json"])
+    assert json.loads(removed.output)["removed"] == 3
+
+
+def test_alerts_refuse_a_block_prefect_does_not_have(prefect_api: str, tmp_path: Path) -> None:
+    path = cluster_file(tmp_path, "nowhere", "slack-webhook/no-such-block")
+    done = CliRunner(env={"PREFECT_API_URL": prefect_api}).invoke(app, ["alerts", "-c", str(path)])
+    assert done.exit_code == 2
+    assert "Prefect has no block of type 'slack-webhook' named 'no-such-block'" in done.output
