@@ -53,6 +53,8 @@ class RunFacts:
     seconds: float
     served_after_s: float | None = None  # start to served, for the last run that served
     recoveries: int = 0
+    steps: dict[str, float] | None = None  # step -> seconds, of the last run that served
+    probe_s: float | None = None  # its probe's answer time
 
 
 def reasons_of(config: ClusterConfig, status: ClusterStatus) -> frozenset[str]:
@@ -176,6 +178,14 @@ def _run_families(runs: dict[str, RunFacts]) -> Iterator[Metric]:
     recoveries = _gauge(
         "recoveries", "Recoveries started in the watch window ([watch] window_s).", ["cluster"]
     )
+    step = _gauge(
+        "served_run_step_duration_seconds",
+        "Each step of the last run that served.",
+        ["cluster", "step"],
+    )
+    probe = _gauge(
+        "probe_latency_seconds", "The probe's answer time in the last run that served.", ["cluster"]
+    )
     for cluster, facts in sorted(runs.items()):
         success.add_metric([cluster], float(facts.completed))
         ended.add_metric([cluster], facts.ended_at)
@@ -183,7 +193,11 @@ def _run_families(runs: dict[str, RunFacts]) -> Iterator[Metric]:
         if facts.served_after_s is not None:
             served.add_metric([cluster], facts.served_after_s)
         recoveries.add_metric([cluster], facts.recoveries)
-    yield from (success, ended, took, served, recoveries)
+        for name, seconds in (facts.steps or {}).items():
+            step.add_metric([cluster, name], seconds)
+        if facts.probe_s is not None:
+            probe.add_metric([cluster], facts.probe_s)
+    yield from (success, ended, took, served, recoveries, step, probe)
 
 
 def _engine_families(looks: dict[str, LookFacts]) -> Iterator[Metric]:

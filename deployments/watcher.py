@@ -19,6 +19,7 @@ instead.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -34,6 +35,12 @@ from prefect.client.schemas.filters import (
     FlowRunFilterStateType,
 )
 from prefect.client.schemas.objects import StateType
+from prefect.events.filters import (
+    EventFilter,
+    EventNameFilter,
+    EventOrder,
+    EventResourceFilter,
+)
 
 from deployments.event_sender import EventSender
 from deployments.metrics import LookFacts, RunFacts, WatchMetrics, nodes_up, reasons_of
@@ -44,7 +51,7 @@ from tasks.standing.recoveries import declare_crashloop, pace, read_recover_runs
 from tasks.standing.runs import last_runs
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.endpoint import api_base, refused_key
-from vllm_redeploy.events import unhealthy_event
+from vllm_redeploy.events import EVENT_READY, cluster_resource, unhealthy_event
 from vllm_redeploy.generation import METRICS_TIMEOUT, read_counters
 from vllm_redeploy.safe_text import one_line
 from vllm_redeploy.status import ClusterStatus, collect_status, duration
@@ -52,6 +59,7 @@ from vllm_redeploy.watch import Look, WatchState, judge_look
 
 log = logging.getLogger("vllm_redeploy.watch")
 UNDER_WAY = [StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING]
+READY_LATE = timedelta(minutes=5)  # how long a run's ready event is waited for
 UNDER_WAY_NAMES = {"Scheduled", "Pending", "Running", "Late", "AwaitingRetry", "Retrying"}
 
 
@@ -67,6 +75,7 @@ class ClusterWatcher:
     answered_s: float | None = None  # the last generation's latency, when it answered
     last_run: str | None = None  # in words, for the view
     seen: tuple[LookFacts, tuple[str, ...]] | None = None  # the last look's facts, problems
+    ready_pending: bool = False  # the last run that served has no ready event stored yet
 
     def look_once(self) -> None:
         """One look, and what follows from it."""
@@ -168,14 +177,22 @@ class ClusterWatcher:
         if self.metrics is None:
             return
         served = next((r for r in found if r.state == "Completed" and r.mode != "stop"), None)
+        steps, probe_s = last_ready(self.config.name)
+        # Prefect stores a run's events a moment after the run ends: ask again at the next
+        # looks, for a while, rather than at the next beat.
+        self.ready_pending = (
+            steps is None and served is not None and end > datetime.now(UTC) - READY_LATE
+        )
         self.metrics.ran(
             self.config.name,
             RunFacts(
                 ended.state == "Completed",
-                ended.started.timestamp() + (ended.seconds or 0.0),
+                end.timestamp(),
                 ended.seconds or 0.0,
                 served.seconds if served is not None else None,
                 pace(self.config.name, self.config.watch).count,
+                steps,
+                probe_s,
             ),
         )
 
@@ -202,6 +219,29 @@ class ClusterWatcher:
         )
         log.warning("%s: unhealthy since %s: %s", config.name, self.state.since.isoformat(),
                     one_line("; ".join(self.state.problems)))  # fmt: skip
+
+
+def last_ready(cluster: str) -> tuple[dict[str, float] | None, float | None]:
+    """The steps (step -> seconds) and the probe's time of the cluster's last run that served,
+    from its ``vllm.cluster.ready`` event (the last 180 days')."""
+    with get_client(sync_client=True) as client:
+        page = client.read_events(
+            filter=EventFilter(
+                event=EventNameFilter(name=[EVENT_READY]),
+                resource=EventResourceFilter(id=[cluster_resource(cluster)["prefect.resource.id"]]),
+                order=EventOrder.DESC,
+            ),
+            limit=1,
+        )
+    if not page.events:
+        return None, None
+    payload = page.events[0].payload
+    steps = payload.get("steps")
+    probe_s = payload.get("probe_s")
+    return (
+        {str(k): float(v) for k, v in steps.items()} if isinstance(steps, dict) else None,
+        float(probe_s) if isinstance(probe_s, int | float) else None,
+    )
 
 
 def busy(config: ClusterConfig) -> bool:
@@ -262,4 +302,7 @@ def _loop(watcher: ClusterWatcher, stop: threading.Event) -> None:
                 beaten = started
             except Exception as exc:  # Prefect away: said at the next beat
                 log.warning("%s: could not say in Prefect that it watches: %s", name, one_line(exc))
+        elif watcher.ready_pending:
+            with contextlib.suppress(Exception):  # asked again at the next look
+                watcher.tell_last_run()
         stop.wait(max(0.0, interval - (time.monotonic() - started)))

@@ -386,7 +386,10 @@ def _finish(run: Run, summary: RunSummary, event: bool = True) -> dict[str, Any]
     markdown = _record_summary(run, summary, "what the redeploy did")
     if event:
         transport = summary.transport.as_dict() if summary.transport else None
-        ready = ready_event(summary.cluster, summary.mode, summary.action, summary.steps, transport)
+        probe_s = summary.probe.elapsed_s if summary.probe else None
+        ready = ready_event(
+            summary.cluster, summary.mode, summary.action, summary.steps, transport, probe_s
+        )
         run.records.record("event", lambda: emit_event(**ready))
     return {
         "cluster": summary.cluster,

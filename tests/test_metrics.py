@@ -64,7 +64,7 @@ def until(api: str, promql: str, seconds: float) -> list[dict[str, Any]]:
     """The query's result once it is not empty."""
     deadline = time.monotonic() + seconds
     while True:
-        with contextlib.suppress(httpx.HTTPError):
+        with contextlib.suppress(httpx.HTTPError, ValueError):  # not up yet: not JSON
             if found := query(api, promql):
                 return found
         assert time.monotonic() < deadline, f"no data for {promql} within {seconds} s"
@@ -108,6 +108,12 @@ def test_prometheus_scrapes_what_the_watcher_sees_and_a_killed_engine_shows_in_t
             assert run[0]["value"][1] == "1"
             assert float(until(api, f"vllm_redeploy_served_after_seconds{on}", 5)[0]["value"][1])
             assert until(api, f"vllm_redeploy_recoveries{on}", 5)[0]["value"][1] == "0"
+            # Its steps and its probe, from its vllm.cluster.ready event.
+            steps = until(api, f"vllm_redeploy_served_run_step_duration_seconds{on}", 20)
+            ran = state.result()["steps"]
+            assert {r["metric"]["step"]: float(r["value"][1]) for r in steps} == ran
+            probe = until(api, f"vllm_redeploy_probe_latency_seconds{on}", 5)
+            assert float(probe[0]["value"][1]) == round(state.result()["probe"]["elapsed_s"], 3)
             scrape = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
             keep_for_notes("metrics-scrape", scrape)
             assert now_view(prefect_api).startswith("# bed now: healthy")

@@ -36,7 +36,10 @@ def test_a_look_and_a_run_become_series_with_few_labels() -> None:
         ),
     )  # fmt: skip
     metrics.looked("pair", LookFacts("healthy", frozenset(), 0, 1_700_000_015.0, 0.3, {}, None))
-    metrics.ran("pair", RunFacts(False, 1_699_999_000.0, 95.0, 80.0, recoveries=2))
+    metrics.ran(
+        "pair",
+        RunFacts(False, 1_699_999_000.0, 95.0, 80.0, 2, {"preflight": 1.5, "probe": 0.5}, 0.4),
+    )
     found = scraped(metrics)
     cluster = (("cluster", "pair"),)
 
@@ -54,6 +57,9 @@ def test_a_look_and_a_run_become_series_with_few_labels() -> None:
     assert found[("vllm_redeploy_last_run_duration_seconds", cluster)] == 95.0
     assert found[("vllm_redeploy_served_after_seconds", cluster)] == 80.0
     assert found[("vllm_redeploy_recoveries", cluster)] == 2
+    assert one("vllm_redeploy_served_run_step_duration_seconds", step="preflight") == 1.5
+    assert one("vllm_redeploy_served_run_step_duration_seconds", step="probe") == 0.5
+    assert found[("vllm_redeploy_probe_latency_seconds", cluster)] == 0.4
 
 
 def test_the_engines_figures_are_relayed_under_the_clusters_label() -> None:

@@ -94,12 +94,16 @@ def ready_event(
     action: str,
     steps: dict[str, float],
     transport: dict[str, Any] | None = None,
+    probe_s: float | None = None,
 ) -> dict[str, Any]:
     """Arguments of ``prefect.events.emit_event`` for a run that ended with the model serving;
-    ``transport``: what NCCL used between the nodes, per node (``TransportVerdict.as_dict``)."""
+    ``transport``: what NCCL used between the nodes, per node (``TransportVerdict.as_dict``);
+    ``probe_s``: how long the probe's answer took."""
     payload: dict[str, Any] = {"mode": mode, "action": action, "steps": steps}
     if transport is not None:
         payload["transport"] = transport
+    if probe_s is not None:
+        payload["probe_s"] = round(probe_s, 3)
     return {"event": EVENT_READY, "resource": cluster_resource(cluster), "payload": payload}
 
 
