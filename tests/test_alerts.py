@@ -5,7 +5,6 @@ for a cluster still down after [alerts] unhealthy_for_s; a cluster back in time 
 from __future__ import annotations
 
 import json
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -13,7 +12,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from typer.testing import CliRunner
 
@@ -21,7 +19,7 @@ from deployments.cli import app
 from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import keep_for_notes
 from tests.testbed.procs import free_port
-from tests.testbed.receiver import Receiver
+from tests.testbed.receiver import Receiver, arm, post_event, receiving, webhook_block
 from vllm_redeploy.events import unhealthy_event
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -30,17 +28,8 @@ UNHEALTHY_FOR_S = 10  # Prefect's minimum
 
 @pytest.fixture
 def receiver() -> Iterator[Receiver]:
-    server = Receiver("127.0.0.95")
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
-
-
-def post(prefect_api: str, event: dict[str, Any]) -> None:
-    event = {"id": str(uuid.uuid4()), "occurred": datetime.now(UTC).isoformat(), **event}
-    httpx.post(f"{prefect_api}/events", json=[event], timeout=10).raise_for_status()
+    with receiving("127.0.0.95") as server:
+        yield server
 
 
 def received(receiver: Receiver, text: str, seconds: float) -> dict[str, Any]:
@@ -82,17 +71,9 @@ def cluster_file(tmp_path: Path, cluster: str, block: str) -> Path:
 def test_alerts_say_a_run_failed_and_a_cluster_still_down_and_nothing_when_it_came_back(
     prefect_api: str, receiver: Receiver, tmp_path: Path
 ) -> None:
-    from prefect.blocks.notifications import CustomWebhookNotificationBlock
-
-    host, port = str(receiver.server_address[0]), int(receiver.server_address[1])
-    block = f"alerts-{uuid.uuid4().hex[:8]}"
-    CustomWebhookNotificationBlock(
-        name="operator",
-        url=f"http://{host}:{port}/notify",
-        json_data={"subject": "{{subject}}", "body": "{{body}}"},
-    ).save(block)
+    block = webhook_block(receiver)
     cluster = f"alerted{uuid.uuid4().hex[:6]}"
-    path = cluster_file(tmp_path, cluster, f"custom-webhook/{block}")
+    path = cluster_file(tmp_path, cluster, block)
     cli = CliRunner(env={"PREFECT_API_URL": prefect_api})
     made = cli.invoke(app, ["alerts", "-c", str(path), "--json"])
     assert made.exit_code == 0, made.output
@@ -104,18 +85,11 @@ def test_alerts_say_a_run_failed_and_a_cluster_still_down_and_nothing_when_it_ca
     assert again.exit_code == 0 and json.loads(again.output)["alerts"] == names
     resource = {"prefect.resource.id": f"vllm-redeploy.cluster.{cluster}"}
     try:
-        # Prefect's triggers load a new automation on their next pass: ask until one answers.
-        deadline = time.monotonic() + 120
-        while not any("arming" in b["subject"] for b in receiver.bodies):
-            assert time.monotonic() < deadline, receiver.bodies
-            post(prefect_api, {"event": "vllm.cluster.failed", "resource": resource,
-                               "payload": {"step": "arming", "reason": "loaded yet?"}})  # fmt: skip
-            time.sleep(2)
-        receiver.bodies.clear()
+        arm(prefect_api, receiver, cluster)
 
         # Still down: the absence of vllm.cluster.ready after the watcher's report.
         reported = time.monotonic()
-        post(
+        post_event(
             prefect_api, unhealthy_event(cluster, ["the engine is not running"], datetime.now(UTC))
         )
         down = received(receiver, f"{cluster} is still down", 60)
@@ -126,8 +100,10 @@ def test_alerts_say_a_run_failed_and_a_cluster_still_down_and_nothing_when_it_ca
 
         # Back in time (a run served it before unhealthy_for_s): no alert.
         since = datetime.now(UTC)
-        post(prefect_api, unhealthy_event(cluster, ["the engine is not running"], since))
-        post(prefect_api, {"event": "vllm.cluster.ready", "resource": resource, "payload": {}})
+        post_event(prefect_api, unhealthy_event(cluster, ["the engine is not running"], since))
+        post_event(
+            prefect_api, {"event": "vllm.cluster.ready", "resource": resource, "payload": {}}
+        )
         time.sleep(UNHEALTHY_FOR_S + 15)
         assert not [b for b in receiver.bodies if "still down" in b["subject"]], receiver.bodies
 

@@ -15,12 +15,14 @@ from typing import Any
 import httpx
 import pytest
 
+from deployments.alerts import remove_alerts, set_up_alerts
 from deployments.cli.prefect_api import talking_to
 from deployments.metrics import WatchMetrics, serve_metrics
 from deployments.watcher import watch_clusters
 from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import keep_for_notes, make_bed
 from tests.testbed.procs import free_port, spawn, stop
+from tests.testbed.receiver import arm, receiving, webhook_block
 from vllm_redeploy.config import load_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -76,21 +78,30 @@ def test_prometheus_scrapes_what_the_watcher_sees_and_a_killed_engine_shows_in_t
 ) -> None:
     bed = make_bed(2, "h200", first_ip=87)
     stopped = threading.Event()
-    try:
+    with contextlib.ExitStack() as stack:
+        receiver = stack.enter_context(receiving("127.0.0.94"))
+        stack.callback(bed.down)
         path = bed.write_config(
             bed.root / "run.toml",
             vllm={"env": {"VRD_LOAD_SECONDS": "1"}},
             watch={"interval_s": INTERVAL_S, "generate_every": 1},
+            alerts={"block": webhook_block(receiver)},
         )
+        config = load_config(path, env_file=None)
+        set_up_alerts(config)  # a healthy night, then a kill not yet past unhealthy_for_s: none
+        stack.callback(remove_alerts, config)
+        arm(prefect_api, receiver, config.name)
         state = redeploy_vllm_cluster(str(path), "redeploy", return_state=True)
         assert state.is_completed(), state.result(raise_on_failure=False)
-        config = load_config(path, env_file=None)
         metrics = WatchMetrics()
         port = free_port("127.0.0.1")
         server = serve_metrics(metrics, "127.0.0.1", port)
+        stack.callback(server.shutdown)
         looker = threading.Thread(target=watch_clusters, args=([config], stopped, metrics))
         with talking_to({"PREFECT_API_URL": prefect_api}):
             looker.start()
+        stack.callback(looker.join, 60)
+        stack.callback(stopped.set)
         with prometheus(f"127.0.0.1:{port}", tmp_path) as api:
             on = '{cluster="bed"}'
             healthy = until(api, 'vllm_redeploy_cluster_verdict{verdict="healthy"} == 1', 60)
@@ -150,12 +161,8 @@ def test_prometheus_scrapes_what_the_watcher_sees_and_a_killed_engine_shows_in_t
             assert {r["metric"]["reason"] for r in reasons} >= {"not_running"}, reasons
             down = query(api, f"vllm_redeploy_node_up{on} == 0")
             assert [r["metric"]["node"] for r in down] == ["node-1"], down
-    finally:
-        stopped.set()
-        with contextlib.suppress(NameError):
-            looker.join(60)
-            server.shutdown()
-        bed.down()
+        alerted = [b for b in receiver.bodies if "arming" not in b["subject"]]
+        assert alerted == []  # the run served, and the kill is not unhealthy_for_s old
 
 
 def test_watch_refuses_a_metrics_address_it_cannot_read() -> None:

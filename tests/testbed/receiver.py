@@ -3,9 +3,17 @@ posts, kept."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+import httpx
 
 from tests.testbed.procs import free_port
 
@@ -27,3 +35,52 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
+
+
+@contextlib.contextmanager
+def receiving(host: str) -> Iterator[Receiver]:
+    """A receiver serving on ``host`` (a free port) for the block's posts."""
+    server = Receiver(host)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def webhook_block(receiver: Receiver) -> str:
+    """A Prefect Custom Webhook notification block posting to ``receiver``; its TYPE/NAME."""
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
+
+    host, port = str(receiver.server_address[0]), int(receiver.server_address[1])
+    name = f"alerts-{uuid.uuid4().hex[:8]}"
+    CustomWebhookNotificationBlock(
+        name="operator",
+        url=f"http://{host}:{port}/notify",
+        json_data={"subject": "{{subject}}", "body": "{{body}}"},
+    ).save(name)
+    return f"custom-webhook/{name}"
+
+
+def post_event(prefect_api: str, event: dict[str, Any]) -> None:
+    event = {"id": str(uuid.uuid4()), "occurred": datetime.now(UTC).isoformat(), **event}
+    httpx.post(f"{prefect_api}/events", json=[event], timeout=10).raise_for_status()
+
+
+def arm(prefect_api: str, receiver: Receiver, cluster: str) -> None:
+    """Post a `vllm.cluster.failed` of step "arming" for ``cluster`` until its alert comes back,
+    then forget it: Prefect's triggers load a new automation on their next pass, and an event
+    that comes before is never matched."""
+    resource = {"prefect.resource.id": f"vllm-redeploy.cluster.{cluster}"}
+    deadline = time.monotonic() + 120
+    while not any("arming" in b["subject"] for b in receiver.bodies):
+        assert time.monotonic() < deadline, receiver.bodies
+        payload = {"step": "arming", "reason": "loaded yet?"}
+        post_event(
+            prefect_api, {"event": "vllm.cluster.failed", "resource": resource, "payload": payload}
+        )
+        time.sleep(2)
+    time.sleep(2)  # a second arming alert may be on its way
+    receiver.bodies.clear()
