@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 import typer
@@ -71,3 +72,16 @@ def test_a_bad_choice_is_a_usage_error() -> None:
     done = CliRunner().invoke(app, ["run", "--mode", "fast", "-c", "/nonexistent.toml"])
     assert done.exit_code == EXIT_CONFIG == 2
     assert "'fast' is not one of 'redeploy'," in done.output, done.output
+
+
+def test_the_readme_and_the_command_reference_name_every_command() -> None:
+    """README's table of commands by use lists each command once; docs/commands.md gives each
+    its row (a command added without its words fails here)."""
+    root = Path(__file__).parents[1]
+    readme = (root / "README.md").read_text()
+    table = readme[readme.index("| use | commands |") :].split("\n\n", 1)[0]
+    listed = re.findall(r"`([a-z][a-z-]+)`", table)
+    assert sorted(listed) == sorted(_commands()), listed
+    reference = (root / "docs/commands.md").read_text()
+    missing = [c for c in _commands() if not re.search(rf"`(vllm-redeploy )?{c}\b", reference)]
+    assert missing == [], missing
