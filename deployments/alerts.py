@@ -54,40 +54,40 @@ def alert_automations(
     match = ResourceSpecification({"prefect.resource.id": f"vllm-redeploy.cluster.{cluster}"})
     patience = duration(config.alerts.unhealthy_for_s)
 
-    def send(subject: str, body: str) -> list[SendNotification]:
-        return [SendNotification(block_document_id=block_id, subject=subject, body=body)]
+    def alert(what: str, about: str, trigger: EventTrigger, subject: str, body: str) -> Automation:
+        return Automation(
+            name=automation_name(cluster, what),
+            description=about,
+            trigger=trigger,
+            actions=[SendNotification(block_document_id=block_id, subject=subject, body=body)],
+        )
+
+    def on(event: str) -> EventTrigger:
+        return EventTrigger(expect={event}, match=match, posture=Posture.Reactive, threshold=1)
 
     found = [
-        Automation(
-            name=automation_name(cluster, "failed"),
-            description=f"A run of {cluster} failed: the step, why, and the run.",
-            trigger=EventTrigger(
-                expect={EVENT_FAILED}, match=match, posture=Posture.Reactive, threshold=1
-            ),
-            actions=send(
-                f"{cluster}: a run failed at {{{{ event.payload.step }}}}",
-                f"{cluster}: a run failed at {{{{ event.payload.step }}}}: "
-                f"{{{{ event.payload.reason }}}}{LINK}",
-            ),
+        alert(
+            "failed",
+            f"A run of {cluster} failed: the step, why, and the run.",
+            on(EVENT_FAILED),
+            f"{cluster}: a run failed at {{{{ event.payload.step }}}}",
+            f"{cluster}: a run failed at {{{{ event.payload.step }}}}: "
+            f"{{{{ event.payload.reason }}}}{LINK}",
         ),
-        Automation(
-            name=automation_name(cluster, "crash-looping"),
-            description=f"{cluster} was marked crash-looping: nothing automatic touches it now.",
-            trigger=EventTrigger(
-                expect={EVENT_CRASHLOOP}, match=match, posture=Posture.Reactive, threshold=1
-            ),
-            actions=send(
-                f"{cluster} is crash-looping",
-                f"{cluster} is crash-looping: {{{{ event.payload.recoveries }}}} recoveries in "
-                f"{{{{ event.payload.window_s }}}} s did not keep it up (last: {{{{ "
-                "event.payload.reasons | last }}). No automatic run touches it until "
-                "`vllm-redeploy resume` or a manual run that serves.",
-            ),
+        alert(
+            "crash-looping",
+            f"{cluster} was marked crash-looping: nothing automatic touches it now.",
+            on(EVENT_CRASHLOOP),
+            f"{cluster} is crash-looping",
+            f"{cluster} is crash-looping: {{{{ event.payload.recoveries }}}} recoveries in "
+            f"{{{{ event.payload.window_s }}}} s did not keep it up (last: {{{{ "
+            "event.payload.reasons | last }}). No automatic run touches it until "
+            "`vllm-redeploy resume` or a manual run that serves.",
         ),
-        Automation(
-            name=automation_name(cluster, "unhealthy"),
-            description=f"{cluster} was reported unhealthy and not back within {patience}.",
-            trigger=EventTrigger(
+        alert(
+            "unhealthy",
+            f"{cluster} was reported unhealthy and not back within {patience}.",
+            EventTrigger(
                 after={EVENT_UNHEALTHY},
                 expect={EVENT_READY},
                 match=match,
@@ -95,33 +95,30 @@ def alert_automations(
                 threshold=1,
                 within=timedelta(seconds=config.alerts.unhealthy_for_s),
             ),
-            actions=send(
-                f"{cluster} is still down",
-                f"{cluster} was reported unhealthy and no run brought it back within "
-                f"{patience}. `vllm-redeploy status` says what is wrong, `vllm-redeploy "
-                "runs` what the recoveries did.",
-            ),
+            f"{cluster} is still down",
+            f"{cluster} was reported unhealthy and no run brought it back within {patience}. "
+            "`vllm-redeploy status` says what is wrong, `vllm-redeploy runs` what the recoveries "
+            "did.",
         ),
     ]
     if nightly_id is not None:
+        late = EventTrigger(
+            expect={"prefect.flow-run.Late"},
+            match_related=ResourceSpecification(
+                {"prefect.resource.id": f"prefect.deployment.{nightly_id}"}
+            ),
+            posture=Posture.Reactive,
+            threshold=1,
+        )
         found.append(
-            Automation(
-                name=automation_name(cluster, "nightly late"),
-                description=f"The nightly run of {cluster} is late: nothing picked it up.",
-                trigger=EventTrigger(
-                    expect={"prefect.flow-run.Late"},
-                    match_related=ResourceSpecification(
-                        {"prefect.resource.id": f"prefect.deployment.{nightly_id}"}
-                    ),
-                    posture=Posture.Reactive,
-                    threshold=1,
-                ),
-                actions=send(
-                    f"{cluster}: the nightly run did not start",
-                    f"{cluster}: the nightly run did not start at its time: no serve process "
-                    "picked it up (`sudo systemctl status vllm-redeploy-serve@"
-                    f"{cluster}`; `vllm-redeploy doctor`).{LINK}",
-                ),
+            alert(
+                "nightly late",
+                f"The nightly run of {cluster} is late: nothing picked it up.",
+                late,
+                f"{cluster}: the nightly run did not start",
+                f"{cluster}: the nightly run did not start at its time: no serve process picked "
+                f"it up (`sudo systemctl status vllm-redeploy-serve@{cluster}`; `vllm-redeploy "
+                f"doctor`).{LINK}",
             )
         )
     return found

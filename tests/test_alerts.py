@@ -18,8 +18,14 @@ from typer.testing import CliRunner
 from deployments.cli import app
 from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import keep_for_notes
-from tests.testbed.procs import free_port
-from tests.testbed.receiver import Receiver, arm, post_event, receiving, webhook_block
+from tests.testbed.receiver import (
+    Receiver,
+    arm,
+    ghost_cluster,
+    post_event,
+    receiving,
+    webhook_block,
+)
 from vllm_redeploy.events import unhealthy_event
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -43,29 +49,9 @@ def received(receiver: Receiver, text: str, seconds: float) -> dict[str, Any]:
 
 
 def cluster_file(tmp_path: Path, cluster: str, block: str) -> Path:
-    """A cluster whose only node never answers: its runs fail at preflight within seconds."""
-    (tmp_path / "known_hosts").write_text("")
-    path = tmp_path / f"{cluster}.toml"
-    path.write_text(
-        f'name = "{cluster}"\n'
-        "[[nodes]]\n"
-        'name = "ghost"\n'
-        'address = "127.0.0.95"\n'
-        f"ssh_port = {free_port('127.0.0.95')}\n"
-        "[ssh]\n"
-        f'known_hosts = "{tmp_path / "known_hosts"}"\n'
-        "connect_timeout_s = 1\n"
-        "[vllm]\n"
-        'image = "vllm/vllm-openai:v0.19.0"\n'
-        'model = "/models/Qwen3.5-122B-A10B-FP8"\n'
-        "tensor_parallel_size = 1\n"
-        "[deadlines]\n"
-        "nodes_reachable_s = 1\n"
-        "[alerts]\n"
-        f'block = "{block}"\n'
-        f"unhealthy_for_s = {UNHEALTHY_FOR_S}\n"
-    )
-    return path
+    """A cluster whose runs fail at preflight within seconds, alerting through ``block``."""
+    alerts = f'[alerts]\nblock = "{block}"\nunhealthy_for_s = {UNHEALTHY_FOR_S}\n'
+    return ghost_cluster(tmp_path / f"{cluster}.toml", cluster, "127.0.0.95", alerts)
 
 
 def test_alerts_say_a_run_failed_and_a_cluster_still_down_and_nothing_when_it_came_back(

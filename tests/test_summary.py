@@ -23,8 +23,7 @@ from rich.console import Console
 from deployments.cli.run_view import PlainSteps, StepView
 from tasks.stop_autostart import StopReport
 from tests.test_probe import THINKING, completion
-from tests.testbed.procs import free_port
-from tests.testbed.receiver import Receiver
+from tests.testbed.receiver import Receiver, ghost_cluster
 from vllm_redeploy.gpus import GpuReport
 from vllm_redeploy.launch.backend import GroupMember, GroupStatus
 from vllm_redeploy.parsers.nvidia_smi import GPU_FIELDS, parse_compute_apps, parse_gpus
@@ -291,24 +290,7 @@ def test_readme_automation_notifies_when_a_run_fails(
         _until_armed(prefect_api, receiver)
         # A real run that fails: its only node never answers (nothing listens on the port).
         cluster = f"nobody{uuid.uuid4().hex[:6]}"
-        config = tmp_path / "cluster.toml"
-        config.write_text(
-            f'name = "{cluster}"\n'
-            "[[nodes]]\n"
-            'name = "ghost"\n'
-            'address = "127.0.0.97"\n'
-            f"ssh_port = {free_port('127.0.0.97')}\n"
-            "[ssh]\n"
-            f'known_hosts = "{tmp_path / "known_hosts"}"\n'
-            "connect_timeout_s = 1\n"
-            "[vllm]\n"
-            'image = "vllm/vllm-openai:v0.19.0"\n'
-            'model = "/models/Qwen3.5-122B-A10B-FP8"\n'
-            "tensor_parallel_size = 1\n"
-            "[deadlines]\n"
-            "nodes_reachable_s = 1\n"
-        )
-        (tmp_path / "known_hosts").write_text("")
+        config = ghost_cluster(tmp_path / "cluster.toml", cluster, "127.0.0.97")
         state = redeploy_vllm_cluster(str(config), "redeploy", return_state=True)
         assert state.is_failed()
         deadline = time.monotonic() + 120

@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -84,3 +85,27 @@ def arm(prefect_api: str, receiver: Receiver, cluster: str) -> None:
         time.sleep(2)
     time.sleep(2)  # a second arming alert may be on its way
     receiver.bodies.clear()
+
+
+def ghost_cluster(path: Path, cluster: str, address: str, extra: str = "") -> Path:
+    """A cluster file at ``path`` whose only node never answers (nothing listens on its SSH
+    port): a run of it fails at preflight within seconds. ``extra``: more TOML at its end."""
+    known_hosts = path.parent / "known_hosts"
+    known_hosts.write_text("")
+    path.write_text(
+        f'name = "{cluster}"\n'
+        "[[nodes]]\n"
+        'name = "ghost"\n'
+        f'address = "{address}"\n'
+        f"ssh_port = {free_port(address)}\n"
+        "[ssh]\n"
+        f'known_hosts = "{known_hosts}"\n'
+        "connect_timeout_s = 1\n"
+        "[vllm]\n"
+        'image = "vllm/vllm-openai:v0.19.0"\n'
+        'model = "/models/Qwen3.5-122B-A10B-FP8"\n'
+        "tensor_parallel_size = 1\n"
+        "[deadlines]\n"
+        "nodes_reachable_s = 1\n" + extra
+    )
+    return path
