@@ -8,7 +8,7 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -118,3 +118,42 @@ def test_alerts_refuse_a_block_prefect_does_not_have(prefect_api: str, tmp_path:
     done = CliRunner(env={"PREFECT_API_URL": prefect_api}).invoke(app, ["alerts", "-c", str(path)])
     assert done.exit_code == 2
     assert "Prefect has no block of type 'slack-webhook' named 'no-such-block'" in done.output
+
+
+def test_the_nightly_alert_says_when_no_one_picked_the_nightly_run_up(
+    prefect_api: str, receiver: Receiver, tmp_path: Path
+) -> None:
+    """The nightly deployment registered and nothing serving it (serve down): its run, due a
+    minute ago, goes Late on the server, and the alert says so."""
+    from prefect import get_client
+    from prefect.states import Scheduled
+
+    from deployments.definitions import deployment_specs
+    from vllm_redeploy.config import load_config
+
+    cluster = f"late{uuid.uuid4().hex[:6]}"
+    path = cluster_file(tmp_path, cluster, webhook_block(receiver))
+    config = load_config(path, env_file=None)
+    (spec,) = [s for s in deployment_specs(config, path) if s["name"].endswith("-nightly")]
+    spec["schedules"] = []  # its run is made below, already due
+    deployment_id = redeploy_vllm_cluster.to_deployment(**spec).apply()
+    cli = CliRunner(env={"PREFECT_API_URL": prefect_api})
+    made = cli.invoke(app, ["alerts", "-c", str(path), "--json"])
+    try:
+        assert made.exit_code == 0, made.output
+        assert (
+            json.loads(made.output)["alerts"][-1] == f"vllm-redeploy alert: {cluster} nightly late"
+        )
+        arm(prefect_api, receiver, cluster)
+        due = datetime.now(UTC) - timedelta(minutes=1)
+        with get_client(sync_client=True) as client:
+            run = client.create_flow_run_from_deployment(
+                deployment_id, state=Scheduled(scheduled_time=due)
+            )
+        late = received(receiver, f"{cluster}: the nightly run did not start", 120)
+        assert f"vllm-redeploy-serve@{cluster}" in late["body"], late
+        assert late["body"].endswith(f"\nThe run: {run.name}"), late
+    finally:
+        cli.invoke(app, ["alerts", "-c", str(path), "--remove"])
+        with get_client(sync_client=True) as client:
+            client.delete_deployment(deployment_id)
