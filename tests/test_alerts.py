@@ -26,7 +26,7 @@ from tests.testbed.receiver import (
     receiving,
     webhook_block,
 )
-from vllm_redeploy.events import unhealthy_event
+from vllm_redeploy.events import crashloop_event, unhealthy_event
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 UNHEALTHY_FOR_S = 10  # Prefect's minimum
@@ -82,6 +82,13 @@ def test_alerts_say_a_run_failed_and_a_cluster_still_down_and_nothing_when_it_ca
         still_down_s = time.monotonic() - reported
         assert still_down_s >= UNHEALTHY_FOR_S - 1, still_down_s  # not before its time
         assert f"no run brought it back within {UNHEALTHY_FOR_S} s." in down["body"], down
+        receiver.bodies.clear()
+
+        # Crash-looping: the watcher's event, as it sends it.
+        post_event(prefect_api, crashloop_event(cluster, 3, 3600, ["probe: empty answer"]))
+        looping = received(receiver, f"{cluster} is crash-looping", 60)
+        assert "3 recoveries in 3600" in looping["body"], looping
+        assert "(last: probe: empty answer)" in looping["body"], looping
         receiver.bodies.clear()
 
         # Back in time (a run served it before unhealthy_for_s): no alert.
