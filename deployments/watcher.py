@@ -144,7 +144,7 @@ class ClusterWatcher:
         self, status: ClusterStatus, verdict: str, problems: tuple[str, ...], started: float
     ) -> LookFacts:
         engine = None
-        if status.endpoint.models is not None:  # the API answers: one more GET, its /metrics
+        if self.metrics is not None and status.endpoint.models is not None:  # one more GET
             with httpx.Client(timeout=METRICS_TIMEOUT) as client:
                 engine = read_counters(client, api_base(self.config))
         reasons = reasons_of(self.config, status)
