@@ -28,6 +28,9 @@ from vllm_redeploy.config import load_config
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 INTERVAL_S = 2  # the watcher's look, and Prometheus' scrape, in the test
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+# Its own name: other modules' beds call theirs "bed" on the same Prefect server, and their
+# runs' events would be taken for this one's.
+CLUSTER = "watched"
 DASHBOARD = Path(__file__).parents[1] / "deployments/grafana/vllm-redeploy.json"
 
 
@@ -83,6 +86,7 @@ def test_prometheus_scrapes_what_the_watcher_sees_and_a_killed_engine_shows_in_t
         stack.callback(bed.down)
         path = bed.write_config(
             bed.root / "run.toml",
+            name=CLUSTER,
             vllm={"env": {"VRD_LOAD_SECONDS": "1"}},
             watch={"interval_s": INTERVAL_S, "generate_every": 1},
             alerts={"block": webhook_block(receiver)},
@@ -103,9 +107,9 @@ def test_prometheus_scrapes_what_the_watcher_sees_and_a_killed_engine_shows_in_t
         stack.callback(looker.join, 60)
         stack.callback(stopped.set)
         with prometheus(f"127.0.0.1:{port}", tmp_path) as api:
-            on = '{cluster="bed"}'
+            on = f'{{cluster="{CLUSTER}"}}'
             healthy = until(api, 'vllm_redeploy_cluster_verdict{verdict="healthy"} == 1', 60)
-            assert healthy[0]["metric"]["cluster"] == "bed"
+            assert healthy[0]["metric"]["cluster"] == CLUSTER
             up = until(api, f"vllm_redeploy_node_up{on} == 1", 10)
             assert sorted(r["metric"]["node"] for r in up) == ["node-1", "node-2"]
             assert query(api, f"vllm_redeploy_cluster_problem{on} == 1") == []
@@ -127,20 +131,20 @@ def test_prometheus_scrapes_what_the_watcher_sees_and_a_killed_engine_shows_in_t
             assert float(probe[0]["value"][1]) == round(state.result()["probe"]["elapsed_s"], 3)
             scrape = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
             keep_for_notes("metrics-scrape", scrape)
-            assert now_view(prefect_api).startswith("# bed now: healthy")
+            assert now_view(prefect_api).startswith(f"# {CLUSTER} now: healthy")
             # Every panel of the dashboard gets data, and its cluster list names the cluster.
             panels = json.loads(DASHBOARD.read_text())["panels"]
             for expr in [t["expr"] for panel in panels for t in panel["targets"]]:
-                until(api, expr.replace("$cluster", "bed"), 15)
+                until(api, expr.replace("$cluster", CLUSTER), 15)
             listed = httpx.get(
                 f"{api}/label/cluster/values",
                 params={"match[]": "vllm_redeploy_cluster_verdict"},
                 timeout=5,
             ).json()["data"]
-            assert listed == ["bed"]
+            assert CLUSTER in listed
 
             with contextlib.closing(bed.nodes[0].engine.client()) as client:
-                client.containers.get("vllm-redeploy-bed-engine").kill()
+                client.containers.get(f"vllm-redeploy-{CLUSTER}-engine").kill()
             killed = time.monotonic()
             until(api, 'vllm_redeploy_cluster_verdict{verdict="unhealthy"} == 1', 60)
             took = time.monotonic() - killed
@@ -151,11 +155,11 @@ def test_prometheus_scrapes_what_the_watcher_sees_and_a_killed_engine_shows_in_t
             assert took < 2 * INTERVAL_S + 12, took
             # The UI's view of the cluster: one artifact, updated in place.
             deadline = time.monotonic() + 30
-            while not (view := now_view(prefect_api)).startswith("# bed now: unhealthy"):
+            while not (view := now_view(prefect_api)).startswith(f"# {CLUSTER} now: unhealthy"):
                 assert time.monotonic() < deadline, view
                 time.sleep(0.5)
             assert "| node-1 | no |" in view and "| node-2 | yes |" in view, view
-            assert "Last run: bed-manual-redeploy, Completed " in view, view
+            assert f"Last run: {CLUSTER}-manual-redeploy, Completed " in view, view
             keep_for_notes("metrics-now-artifact", view)
             reasons = query(api, f"vllm_redeploy_cluster_problem{on} == 1")
             assert {r["metric"]["reason"] for r in reasons} >= {"not_running"}, reasons
@@ -177,10 +181,10 @@ def test_watch_refuses_a_metrics_address_it_cannot_read() -> None:
 
 
 def now_view(prefect_api: str) -> str:
-    """The ``bed-now`` artifact's text; its versions: one (updated in place)."""
+    """The cluster's ``-now`` artifact's text; its versions: one (updated in place)."""
     found = httpx.post(
         f"{prefect_api}/artifacts/filter",
-        json={"artifacts": {"key": {"any_": ["bed-now"]}}},
+        json={"artifacts": {"key": {"any_": [f"{CLUSTER}-now"]}}},
         timeout=10,
     ).json()
     assert len(found) == 1, [a["id"] for a in found]
