@@ -29,6 +29,9 @@ from vllm_redeploy.config import load_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]  # a bed and a flow run
 CLI = Path(sys.executable).parent / "vllm-redeploy"
+# Its own name: other modules' beds are all "bed" on the same Prefect server, and their runs
+# (one a killed controller left Running) would be listed as this cluster's.
+CLUSTER = "everyday"
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +43,9 @@ def served(prefect_api: str) -> Iterator[tuple[TestBed, Path]]:
                 client.containers.run(
                     image.OLD_STACK_IMAGE, ["sleep", "999999"], name="canary", detach=True
                 )
-        path = bed.write_config(bed.root / "run.toml", vllm={"env": {"VRD_LOAD_SECONDS": "1"}})
+        path = bed.write_config(
+            bed.root / "run.toml", name=CLUSTER, vllm={"env": {"VRD_LOAD_SECONDS": "1"}}
+        )
         state = redeploy_vllm_cluster(str(path), "redeploy", return_state=True)
         assert state.is_completed(), state.result(raise_on_failure=False)
         yield bed, path
@@ -60,7 +65,7 @@ def _plain_env() -> dict[str, str]:
 
 def engine_id(bed: TestBed) -> str:
     with contextlib.closing(bed.nodes[0].engine.client()) as client:
-        return str(client.containers.get("vllm-redeploy-bed-engine").id)
+        return str(client.containers.get(f"vllm-redeploy-{CLUSTER}-engine").id)
 
 
 def by_source(text: str) -> dict[str, list[str]]:
@@ -167,31 +172,31 @@ def test_run_on_a_paused_cluster_says_so_and_override_pause_runs_it(
 ) -> None:
     bed, path = served
     paused = cli("pause", "-c", str(path), "--reason", "reseating a cable", "--json")
-    assert paused.returncode == 0, paused.stderr
-    said = json.loads(paused.stdout)
-    assert (said["cluster"], said["paused"]["reason"], said["runs"]) == (
-        "bed", "reseating a cable", [],
-    )  # fmt: skip
     try:
+        assert paused.returncode == 0, paused.stderr
+        said = json.loads(paused.stdout)
+        assert (said["cluster"], said["paused"]["reason"], said["runs"]) == (
+            CLUSTER, "reseating a cable", [],
+        )  # fmt: skip
         before = engine_id(bed)
         held = cli("run", "-c", str(path))
         assert held.returncode == 1, held.stderr[-2000:]
-        assert held.stdout.startswith("flow run bed-manual-redeploy: http")
+        assert held.stdout.startswith(f"flow run {CLUSTER}-manual-redeploy: http")
         assert "nothing was done (skipped: paused by" in " ".join(held.stderr.split())
         run = cli("run", "-c", str(path), "--override-pause", "--json")
         assert run.returncode == 0, run.stderr[-2000:]
         ran = json.loads(run.stdout)  # stdout holds the JSON alone; the steps went to stderr
         assert (ran["name"], ran["trigger"], ran["mode"], ran["state"], ran["action"]) == (
-            "bed-manual-redeploy", "manual", "redeploy", "Completed", "redeployed",
+            f"{CLUSTER}-manual-redeploy", "manual", "redeploy", "Completed", "redeployed",
         )  # fmt: skip
         assert {"preflight", "wait-ready", "probe"} <= set(ran["steps"]), ran["steps"]
         assert ran["probe"]["healthy"] is True, ran["probe"]
-        assert "\nflow run bed-manual-redeploy: http" in run.stderr, run.stderr[:600]
+        assert f"\nflow run {CLUSTER}-manual-redeploy: http" in run.stderr, run.stderr[:600]
         assert engine_id(bed) != before  # redeployed while paused, as asked
         assert "paused by" in cli("status", "-c", str(path)).stdout  # the pause stays
     finally:
         resumed = cli("resume", "-c", str(path), "--json")
-        assert json.loads(resumed.stdout) == {"cluster": "bed", "cleared": ["pause"]}
+        assert json.loads(resumed.stdout) == {"cluster": CLUSTER, "cleared": ["pause"]}
 
 
 def test_runs_lists_the_last_runs_newest_first_with_why_and_where(
@@ -199,20 +204,24 @@ def test_runs_lists_the_last_runs_newest_first_with_why_and_where(
 ) -> None:
     """The newest first, whatever ran before; a failed run's step and reason come through."""
     bed, path = served
-    failing = bed.write_config(bed.root / "run.toml", vllm={"env": {"VRD_FAULT": "empty"}})
+    failing = bed.write_config(
+        bed.root / "run.toml", name=CLUSTER, vllm={"env": {"VRD_FAULT": "empty"}}
+    )
     assert failing == path  # the same cluster, the same file: a run that fails at the probe
     try:
         failed = cli("run", "-c", str(path), "--keep-on-failure", "--json")  # left up
         assert failed.returncode == 1, failed.stderr[-2000:]
     finally:
-        bed.write_config(bed.root / "run.toml", vllm={"env": {"VRD_LOAD_SECONDS": "1"}})
+        bed.write_config(
+            bed.root / "run.toml", name=CLUSTER, vllm={"env": {"VRD_LOAD_SECONDS": "1"}}
+        )
     done = cli("runs", "-c", str(path), "--json", "-n", "2")
     assert done.returncode == 0, done.stderr
     listed = json.loads(done.stdout)
     assert len(listed) == 2
     newest = listed[0]
     assert (newest["name"], newest["trigger"], newest["mode"], newest["state"]) == (
-        "bed-manual-redeploy", "manual", "redeploy", "Failed",
+        f"{CLUSTER}-manual-redeploy", "manual", "redeploy", "Failed",
     )  # fmt: skip
     assert newest["failure"].startswith("probe: the model answered but is not healthy: empty"), (
         newest
@@ -230,7 +239,9 @@ def test_runs_lists_the_last_runs_newest_first_with_why_and_where(
     piped = cli("runs", "-c", str(path), "-n", "2").stdout.splitlines()
     assert len(piped) == 2
     assert re.fullmatch(
-        r"\d\d-\d\d \d\d:\d\d:\d\d bed-manual-redeploy \(manual, redeploy\): Failed after \d+ s: "
+        r"\d\d-\d\d \d\d:\d\d:\d\d "
+        + CLUSTER
+        + r"-manual-redeploy \(manual, redeploy\): Failed after \d+ s: "
         r"probe: the model answered but is not healthy: .*  " + re.escape(newest["url"]),
         piped[0],
     ), piped[0]
@@ -244,18 +255,20 @@ def test_stop_removes_the_group_proves_it_gone_and_with_pause_the_watcher_leaves
     done = cli("stop", "-c", str(path), "--pause", "--reason", "moving the rack")
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    assert lines[0].startswith("bed: paused by ") and lines[0].endswith("moving the rack")
-    assert lines[1].startswith("flow run bed-manual-stop: http")
+    assert lines[0].startswith(f"{CLUSTER}: paused by ") and lines[0].endswith("moving the rack")
+    assert lines[1].startswith(f"flow run {CLUSTER}-manual-stop: http")
     assert [line.split(":")[0] for line in lines[2:6]] == [
         "guard", "cluster-lock", "stop-group", "gpus-clear",
     ]  # fmt: skip
-    assert "# bed: stopped" in done.stdout
-    assert "node-1: removed vllm-redeploy-bed-engine" in done.stdout
-    assert "node-2: removed vllm-redeploy-bed-follower" in done.stdout
+    assert f"# {CLUSTER}: stopped" in done.stdout
+    assert f"node-1: removed vllm-redeploy-{CLUSTER}-engine" in done.stdout
+    assert f"node-2: removed vllm-redeploy-{CLUSTER}-follower" in done.stdout
     for node in bed.nodes:
         with contextlib.closing(node.engine.client()) as client:
             assert (
-                client.containers.list(all=True, filters={"label": "io.vllm-redeploy.cluster=bed"})
+                client.containers.list(
+                    all=True, filters={"label": f"io.vllm-redeploy.cluster={CLUSTER}"}
+                )
                 == []
             )
             assert client.containers.get("canary")  # not ours: left alone
@@ -266,7 +279,7 @@ def test_stop_removes_the_group_proves_it_gone_and_with_pause_the_watcher_leaves
         and "moving the rack" in status.stdout
     )
     # The watcher's looks find it down, and paused: it tells Prefect nothing (no recovery).
-    watched = bed.write_config(bed.root / "watched.toml", watch={"failures": 1})
+    watched = bed.write_config(bed.root / "watched.toml", name=CLUSTER, watch={"failures": 1})
     sender = EventSender(prefect_api)
     watcher = ClusterWatcher(load_config(watched, env_file=None), sender)
     for _ in range(3):
