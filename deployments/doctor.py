@@ -99,10 +99,11 @@ def lock(config: ClusterConfig) -> Finding:
 
     name = lock_name(config.name)
     with get_client(sync_client=True) as client:
+        leases = _lease_storage(client)
         try:
             limit = client.read_global_concurrency_limit_by_name(name)
         except ObjectNotFound:
-            return Finding("lock", True, f"{name}: not made yet (the first run makes it)")
+            return Finding("lock", True, f"{name}: not made yet (the first run makes it){leases}")
     if limit.limit != 1 or not limit.active:
         allows = f"allows {limit.limit} runs at once" if limit.active else "is disabled"
         return Finding(
@@ -111,11 +112,28 @@ def lock(config: ClusterConfig) -> Finding:
         )  # fmt: skip
     now = holder(config)
     if now is not None:
-        return Finding("lock", True, f"held{now.described()}, last beat {now.age_s():.0f} s ago")
-    if limit.active_slots:
+        said = f"held{now.described()}, last beat {now.age_s():.0f} s ago"
+    elif limit.active_slots:
         # Not a problem to fix: the next run frees a gone holder's slot itself.
-        return Finding("lock", True, "free (a slot still counted for a gone holder: runs free it)")
-    return Finding("lock", True, "free")
+        said = "free (a slot still counted for a gone holder: runs free it)"
+    else:
+        said = "free"
+    return Finding("lock", True, said + leases)
+
+
+def _lease_storage(client: Any) -> str:
+    """Where the server keeps the lock's leases, in words ("" when it does not say)."""
+    try:
+        where = client.request("GET", "/admin/settings").json()["server"]["concurrency"]
+        kind = str(where["lease_storage"]).rsplit(".", 1)[-1]
+    except Exception:  # an older server, or one that hides its settings: nothing to add
+        return ""
+    if kind == "memory":
+        return (
+            "; leases in the server's memory (a restart forgets them; the holder takes its "
+            "slot back)"
+        )
+    return f"; leases in {kind} storage (they outlive a restart of the server)"
 
 
 def ssh_files(config: ClusterConfig) -> list[Finding]:
