@@ -57,13 +57,13 @@ class RunFacts:
     probe_s: float | None = None  # its probe's answer time
 
 
-def reasons_of(config: ClusterConfig, status: ClusterStatus) -> frozenset[str]:
-    """The kinds of problem in ``status``: a small, closed set, for a label."""
+def reasons_of(status: ClusterStatus, up: dict[str, bool]) -> frozenset[str]:
+    """The kinds of problem in ``status`` (``up``: its nodes_up): a small, closed set, for a
+    label."""
     found = set()
-    for node, up in nodes_up(config, status).items():
-        if not up:
-            reached = next(n for n in status.nodes if n.name == node)
-            found.add("unreachable" if not reached.reachable or reached.error else "not_running")
+    for node in status.nodes:
+        if not up[node.name]:
+            found.add("unreachable" if not node.reachable or node.error else "not_running")
     endpoint = status.endpoint
     if endpoint.models is None:
         found.add("api_down")

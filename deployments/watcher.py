@@ -147,7 +147,8 @@ class ClusterWatcher:
         if self.metrics is not None and status.endpoint.models is not None:  # one more GET
             with httpx.Client(timeout=METRICS_TIMEOUT) as client:
                 engine = read_counters(client, api_base(self.config))
-        reasons = reasons_of(self.config, status)
+        up = nodes_up(self.config, status)
+        reasons = reasons_of(status, up)
         if self.hang is not None and self.hang in problems:
             reasons |= {"hang"}
         return LookFacts(
@@ -156,7 +157,7 @@ class ClusterWatcher:
             self.state.bad,
             time.time(),
             time.monotonic() - started,
-            nodes_up(self.config, status),
+            up,
             self.answered_s,
             engine,
         )
