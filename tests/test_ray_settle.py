@@ -4,7 +4,9 @@ late for Ray's fixed 30 s is started once more; a second exit, or the head's, fa
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import shlex
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,7 +19,7 @@ from tests.testbed.bed import TestBed
 from vllm_redeploy.config import load_config
 from vllm_redeploy.launch.backend import SettleFailed
 from vllm_redeploy.launch.ray import ray_container
-from vllm_redeploy.launch.ray_settle import still_starting
+from vllm_redeploy.launch.ray_settle import still_starting, wait_members
 
 pytestmark = pytest.mark.integration
 LATE = (
@@ -84,3 +86,53 @@ def test_late_twice_or_on_the_head_fails_the_step(bed: TestBed, run: Run) -> Non
         settle(run, ["node-1"])
     assert "Ray on node-1 (head, " in str(head.value)
     assert str(head.value).count("timed out during startup") == 1  # the head: never again
+
+
+def started_ray(bed: TestBed, run: Run, node: int, python3: str = "") -> None:
+    """A node's Ray container that says Ray started; on the head, ``python3`` (a shell script)
+    answers the member list in Ray's place."""
+    shim = (
+        f"mkdir -p /shim && printf '%s\\n' '#!/bin/sh' {shlex.quote(python3)} > /shim/python3 && "
+        "chmod +x /shim/python3 && "
+        if python3
+        else ""
+    )
+    with contextlib.closing(bed.nodes[node].engine.client()) as client:
+        client.containers.run(
+            image.OLD_STACK_IMAGE,
+            ["sh", "-c", f'{shim}echo "Ray runtime started."; exec sleep 600'],
+            name=ray_container(run.config),
+            environment={"PATH": "/shim:/usr/local/bin:/usr/bin:/bin"},
+            detach=True,
+        )
+
+
+def members_json(run: Run) -> str:
+    members = [{"ip": n.ip, "alive": True, "gpus": n.gpus} for n in run.config.nodes]
+    return json.dumps(members)
+
+
+def test_a_member_read_killed_by_a_signal_is_asked_again(bed: TestBed, run: Run) -> None:
+    """The read of Ray's members runs Python in the head's container, while every node's Ray
+    starts: on a head short of memory the kernel's OOM killer may end it (exit 137). That says
+    nothing about Ray; the next look asks again. A read that fails on its own is final."""
+    killed_once = (
+        "if [ -e /read-once ]; then echo " + shlex.quote(members_json(run)) + "; exit 0; fi; "
+        "touch /read-once; kill -9 $$"
+    )
+    started_ray(bed, run, 0, killed_once)
+    started_ray(bed, run, 1)
+    docker_of = lambda name: run.node(name).docker  # noqa: E731
+    log = logging.getLogger("ray-settle-test")
+    members = wait_members(run.config, docker_of, log)
+    assert sorted(m.ip for m in members) == sorted(n.ip for n in run.config.nodes)
+    for node in bed.nodes:
+        with contextlib.closing(node.engine.client()) as client:
+            client.containers.get(ray_container(run.config)).remove(force=True)
+    started_ray(bed, run, 0, "echo 'ModuleNotFoundError: No module named ray' >&2; exit 1")
+    started_ray(bed, run, 1)
+    began = time.monotonic()
+    with pytest.raises(SettleFailed) as failed:
+        wait_members(run.config, docker_of, log)
+    assert "No module named ray" in str(failed.value)
+    assert time.monotonic() - began < run.config.deadlines.ray_cluster_s / 2  # not the window

@@ -21,7 +21,7 @@ from vllm_redeploy.launch.ray import (
     ray_members_argv,
 )
 from vllm_redeploy.launch.ray_log import wait_ray_started
-from vllm_redeploy.nodes import CommandError
+from vllm_redeploy.nodes import CommandError, CommandFailed
 from vllm_redeploy.nodes.docker import NodeDocker
 from vllm_redeploy.safe_text import block, one_line
 
@@ -36,13 +36,26 @@ LOOK_EVERY_S = 3.0
 RAYLET_LATE = "The current node timed out during startup"
 
 
+class MembersUnread(Exception):
+    """The member list was not read this time: the reading process was killed by a signal (the
+    kernel's OOM killer on a head busy with the nodes' starts), which says nothing about Ray."""
+
+
 def ray_members(config: ClusterConfig, head: NodeDocker) -> list[GroupMember]:
     """Ray's own member list; a script that fails or prints no member list is "could not
-    check" (a SettleFailed), never an empty cluster."""
+    check" (a SettleFailed), never an empty cluster; one killed by a signal is MembersUnread."""
     runner = head.exec_runner(ray_container(config))
     try:
         result = runner.run(ray_members_argv(config), timeout=60)
         return parse_members(result.stdout)
+    except CommandFailed as exc:
+        code = exc.result.exit_code or 0
+        if code > 128:  # 128 + the signal's number, as a shell and Docker report it
+            raise MembersUnread(
+                f"the read of Ray's members on {config.head.name} was killed by signal "
+                f"{code - 128} (exit code {code})"
+            ) from None
+        raise SettleFailed(f"could not check Ray's members on {config.head.name}: {exc}") from None
     except (CommandError, ValueError, KeyError, TypeError) as exc:
         raise SettleFailed(
             f"could not check Ray's members on {config.head.name}: "
@@ -65,8 +78,12 @@ def wait_members(
         starting = still_starting(config, docker_of, starting, again, log)
         now = time.monotonic()
         if not starting or now >= next_look:
-            members = ray_members(config, head)
-            problems = membership_problems(config, members)
+            try:
+                members = ray_members(config, head)
+                problems = membership_problems(config, members)
+            except MembersUnread as exc:
+                log.warning("%s; asking again", exc)
+                members, problems = [], [str(exc)]
             if not problems:
                 gpus = sum(m.gpus for m in members if m.alive)
                 log.info("Ray sees %d nodes and %g GPUs", len(members), gpus)
