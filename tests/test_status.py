@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -20,11 +22,15 @@ from markdown_it import MarkdownIt
 from typer.testing import CliRunner
 
 from deployments.cli import app
+from deployments.event_sender import EventSender
+from deployments.watcher import ClusterWatcher
 from flows.redeploy import redeploy_vllm_cluster
 from tests.conftest import make_bed
 from tests.testbed.bed import SERVED_NAME, TestBed, bed_ip
 from tests.testbed.procs import kill_in_container
+from tests.testbed.trickler import answer, server, trickle
 from vllm_redeploy.config import NodeConfig, load_config
+from vllm_redeploy.endpoint import api_base
 from vllm_redeploy.launch.backend import GroupStatus
 from vllm_redeploy.launch.group import engine_container
 from vllm_redeploy.launch.mp import follower_container
@@ -237,6 +243,41 @@ def test_status_after_the_engine_is_gone(deployed: tuple[TestBed, Path]) -> None
     assert re.search(r"engine\s+not running", result.stdout)
     assert "  - the vLLM engine on node-1 is not running" in result.stdout
     assert result.stdout.startswith("cluster bed: not healthy")
+
+
+def test_a_trickle_on_the_api_port_costs_status_and_a_look_seconds(
+    deployed: tuple[TestBed, Path], prefect_api: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine is gone and something else holds its port (host networking: any process
+    may bind it), answering a byte a second: every read of ours has a total deadline, so
+    `status` answers and the watcher's look counts a bad look within its interval."""
+    _, path = deployed
+    config = load_config(path, env_file=None)
+    with NodeAccess(config.head, config) as head:
+        head.docker.remove(engine_container(config))
+    slow = trickle(answer(b'{"data": []}' + b" " * 600), every_s=1.0)
+    with server(slow, config.head.address, config.vllm.port):
+        began = time.monotonic()
+        result = subprocess.run(
+            ["timeout", "60", str(CLI), "status", "-c", str(path), "--json"],
+            capture_output=True,
+            text=True,
+        )
+        took = time.monotonic() - began
+        assert result.returncode == 1, (result.returncode, took, result.stderr[-2000:])
+        (report,) = json.loads(result.stdout)
+        problems = report["problems"]
+        assert f"{api_base(config)}/v1/models does not answer: no answer in time" in problems
+        sender = EventSender(prefect_api)
+        watcher = ClusterWatcher(config, sender)
+        began = time.monotonic()
+        with caplog.at_level(logging.INFO, logger="vllm_redeploy.watch"):
+            watcher.look_once()
+        took = time.monotonic() - began
+        sender.close()
+    assert watcher.state.bad == 1, caplog.text
+    assert "does not answer: no answer in time" in caplog.text
+    assert took < config.watch.interval_s, took
 
 
 # --- foreign values on the way to a person (issue 12) ---------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 
+from vllm_redeploy.answers import fetch
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.nodes import RemoteError, Runner
 from vllm_redeploy.probe import bearer
@@ -52,7 +53,7 @@ def refused_key(why: str | None) -> bool:
 def list_models(client: httpx.Client, base_url: str) -> tuple[list[str] | None, str | None]:
     """The ids /v1/models lists, or (None, why) while it does not answer with a list."""
     try:
-        response = client.get(f"{base_url}/v1/models")
+        response = fetch(client, "GET", f"{base_url}/v1/models")
     except httpx.HTTPError as exc:
         return None, http_error(exc)
     if response.status_code == UNAUTHORIZED:
@@ -69,7 +70,7 @@ def list_models(client: httpx.Client, base_url: str) -> tuple[list[str] | None, 
 def engine_version(client: httpx.Client, base_url: str, engine: Runner | None = None) -> str | None:
     """vLLM's version: GET /version, else ``vllm --version`` in the engine container."""
     try:
-        response = client.get(f"{base_url}/version")
+        response = fetch(client, "GET", f"{base_url}/version")
         version = response.json().get("version") if response.status_code == 200 else None
         if isinstance(version, str) and version:
             return shown(version)

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import httpx
 
+from vllm_redeploy.answers import METRICS_CAP_BYTES, fetch
 from vllm_redeploy.parsers.vllm_metrics import EngineCounters, parse_metrics
 from vllm_redeploy.probe import bearer, chat_request, judge
 from vllm_redeploy.safe_text import one_line
@@ -51,10 +52,13 @@ def check_generation(
     with httpx.Client(timeout=METRICS_TIMEOUT, headers=bearer(api_key)) as client:
         before = read_counters(client, base)
         try:
-            response = client.post(
+            response = fetch(
+                client,
+                "POST",
                 f"{base}/v1/chat/completions",
                 json=chat_request(model, PROMPT, 1, 0.0),
                 timeout=httpx.Timeout(timeout_s, connect=min(5.0, timeout_s)),
+                deadline_s=timeout_s,
             )
         except httpx.TimeoutException:
             after = read_counters(client, base)
@@ -74,9 +78,8 @@ def check_generation(
 def read_counters(client: httpx.Client, base: str) -> EngineCounters | None:
     """The engine's counters now, or None when /metrics does not answer with them."""
     try:
-        response = client.get(f"{base}/metrics")
-        response.raise_for_status()
-        return parse_metrics(response.text)
+        response = fetch(client, "GET", f"{base}/metrics", cap_bytes=METRICS_CAP_BYTES)
+        return parse_metrics(response.text) if response.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from vllm_redeploy.answers import AnswerTooLarge, fetch
 from vllm_redeploy.safe_text import one_line
 
 DETAIL_CHARS = 200
@@ -142,17 +143,21 @@ def run_probe(
     url = base_url.rstrip("/") + "/v1/chat/completions"
     timeout = httpx.Timeout(timeout_s, connect=min(5.0, timeout_s))
     try:
-        response = httpx.post(
-            url,
-            json=chat_request(model, prompt, max_tokens, temperature),
-            headers=bearer(api_key),
-            timeout=timeout,
-        )
+        with httpx.Client(timeout=timeout, headers=bearer(api_key)) as client:
+            response = fetch(
+                client,
+                "POST",
+                url,
+                json=chat_request(model, prompt, max_tokens, temperature),
+                deadline_s=timeout_s,
+            )
     except httpx.TimeoutException:
         return ProbeVerdict(False, f"no reply from {url} within {timeout_s:g} s")
+    except AnswerTooLarge as exc:
+        return ProbeVerdict(False, str(exc))
     except httpx.HTTPError as exc:
         return ProbeVerdict(False, f"cannot reach {url}: {one_line(exc)}")
-    return judge(response.status_code, response.text, response.elapsed.total_seconds())
+    return judge(response.status_code, response.text, response.elapsed_s)
 
 
 def _text(value: Any) -> str | None:

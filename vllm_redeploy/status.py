@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from vllm_redeploy.answers import fetch
 from vllm_redeploy.config import ClusterConfig, NodeConfig
 from vllm_redeploy.endpoint import api_base, api_key, auth_headers, engine_version, list_models
 from vllm_redeploy.generation import GenerationCheck, check_generation
@@ -260,21 +261,23 @@ def _group(
 def check_endpoint(
     config: ClusterConfig, probe: bool = True, generate: bool = False
 ) -> EndpointStatus:
-    """What the API answers. The 1-token generation goes first: when the engine hangs, the
-    probe is not sent (it would only wait out its own timeout)."""
+    """What the API answers. The 1-token generation goes first."""
     base = api_base(config)
     want = config.vllm.served_name
     key = api_key(config)
     health: int | None = None
     with httpx.Client(timeout=HTTP_TIMEOUT, headers=auth_headers(key)) as client:
         models, models_error = list_models(client, base)
-        with contextlib.suppress(httpx.HTTPError):
-            health = client.get(f"{base}/health").status_code
+        if models is not None:  # else /health tells nothing more, and may cost its deadline
+            with contextlib.suppress(httpx.HTTPError):
+                health = fetch(client, "GET", f"{base}/health").status_code
         version = engine_version(client, base) if models is not None and probe else None
     generation = verdict = None
     if generate and models is not None:
         generation = check_generation(base, want, config.watch.generate_timeout_s, key)
-    if probe and (generation is None or generation.verdict != "stuck"):
+    # Not sent when /v1/models does not answer (it would only wait out its own timeout), nor
+    # when the engine hangs.
+    if probe and models is not None and (generation is None or generation.verdict != "stuck"):
         p = config.probe
         verdict = run_probe(base, want, p.prompt, p.max_tokens, p.temperature, p.timeout_s, key)
     return EndpointStatus(
