@@ -3,6 +3,7 @@ the TOML file and line, the env file, or the environment variable (issue 33, ite
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 
@@ -216,11 +217,32 @@ def test_ray_arguments_are_checked_alike_and_values_after_equals_may_hold_spaces
     assert problem.startswith("ray.extra_args:") and '["--num-cpus", "8"]' in problem
 
 
-def test_the_fix_does_not_show_a_secret_flags_value(tmp_path: Path) -> None:
-    # --api-key itself is refused whole (test_api_key); any flag named like a secret is masked.
-    path = write(tmp_path, MINIMAL + 'extra_args = ["--hf-token hf_live123"]\n')
-    (problem,) = problems_of(path)
-    assert "hf_live123" not in problem and '["--hf-token", "*****"]' in problem
+@pytest.mark.parametrize(
+    ("section", "args"),
+    [
+        ("", '["--hf-token hf_live123"]'),
+        ("", '["--hf-token=hf_live123"]'),
+        ("", '["--max-num-seqs", "16", "--hf_token", "hf_live123"]'),  # vLLM reads _ as -
+        ("[ray]\n", '["--redis-password=hf_live123"]'),
+    ],
+)
+def test_a_flag_named_for_a_secret_is_refused_with_the_way_to_the_secret(
+    tmp_path: Path, section: str, args: str
+) -> None:
+    """On the command line a secret shows in `ps`, `docker inspect` and the run's log. --api-key
+    has its own words (tests/test_api_key.py)."""
+    (problem,) = problems_of(write(tmp_path, MINIMAL + f"{section}extra_args = {args}\n"))
+    assert "hf_live123" not in problem
+    assert re.match(
+        r"(vllm|ray)\.extra_args: --(hf.token|redis-password) in extra_args would", problem
+    )
+    assert "VLLM_REDEPLOY_SECRETS__HF_TOKEN" in problem and "never the TOML file" in problem
+
+
+def test_flags_that_only_mention_tokens_or_keys_are_not_secrets(tmp_path: Path) -> None:
+    args = '["--max-num-batched-tokens=8192", "--ssl-keyfile=/k.pem", "--tokenizer=x"]'
+    config = load_config(write(tmp_path, MINIMAL + f"extra_args = {args}\n"), env_file=None)
+    assert config.vllm.extra_args[0] == "--max-num-batched-tokens=8192"
 
 
 # --- 4. strings for numbers and booleans ----------------------------------------------------------

@@ -37,16 +37,18 @@ def check_arguments(args: list[str], program: str) -> None:
     for arg in args:
         if "\n" in arg or "\0" in arg:
             raise ValueError(f"{arg!r} contains a newline or NUL byte")
+        if (flag := secret_flag(arg)) is not None:
+            raise ValueError(FLAG_REFUSED.format(flag=flag, program=program))
     joined = [arg for arg in args if _flag_with_value(arg)]
     if joined:
         fixed = [word for arg in args for word in (_words(arg) if arg in joined else [arg])]
         alternative = _with_equals(joined[0])
         raise ValueError(
-            f"{toml_value(_masked(joined[0]))} is a flag and its value in one item, but each "
+            f"{toml_value(joined[0])} is a flag and its value in one item, but each "
             f"item is one word of the command line, so {program} would get one unknown option "
             f"(and fail only after the old stack was stopped): write "
-            f"extra_args = {toml_value(_masked_words(fixed))}"
-            + (f" (or {toml_value(_masked(alternative))})" if alternative else "")
+            f"extra_args = {toml_value(fixed)}"
+            + (f" (or {toml_value(alternative)})" if alternative else "")
         )
 
 
@@ -70,27 +72,26 @@ def _with_equals(arg: str) -> str | None:
     return None
 
 
-_SECRET_FLAG_WORDS = ("key", "token", "secret", "passw")
+# A flag named for one of these (a whole word of its name: --hf-token, --api-key, not
+# --max-num-batched-tokens or --ssl-keyfile) carries a secret.
+SECRET_NAME_WORDS = frozenset({"token", "key", "secret", "password", "passphrase"})
+FLAG_REFUSED = (
+    "{flag} in extra_args would put a secret on {program}'s command line, which `ps` on the "
+    "node, `docker inspect`'s Args, the run's log and the dry run show. Remove it and give the "
+    "secret by the environment: the Hugging Face token as the secret "
+    "VLLM_REDEPLOY_SECRETS__HF_TOKEN (the engine gets it as HF_TOKEN), vLLM's API key as "
+    "VLLM_REDEPLOY_SECRETS__VLLM_API_KEY (the engine gets it as VLLM_API_KEY), both in the "
+    "cluster's env file or the environment, never the TOML file"
+)
 
 
-def _secret_flag(word: str) -> bool:
-    return word.startswith("-") and any(w in word.lower() for w in _SECRET_FLAG_WORDS)
-
-
-def _masked(arg: str) -> str:
-    """An argument for a message: the value of a secret-looking flag (--api-key) masked."""
-    flag, sep, _ = arg.partition("=") if "=" in arg else arg.partition(" ")
-    return flag + sep + "*****" if sep and _secret_flag(flag) else arg
-
-
-def _masked_words(words: list[str]) -> list[str]:
-    """Words for a message: a secret-looking flag's value, in the next word, masked."""
-    after_secret = [
-        i > 0 and _secret_flag(words[i - 1]) and "=" not in words[i - 1] for i in range(len(words))
-    ]
-    return [
-        "*****" if hidden else _masked(w) for w, hidden in zip(words, after_secret, strict=True)
-    ]
+def secret_flag(arg: str) -> str | None:
+    """The flag of ``arg`` when its name says it carries a secret, as written, or None."""
+    flag = arg.split("=", 1)[0].split()[0] if arg.strip() else ""
+    if not flag.startswith("-"):
+        return None
+    words = flag.lstrip("-").lower().replace("_", "-").split("-")
+    return flag if SECRET_NAME_WORDS.intersection(words) else None
 
 
 # vLLM reads its API key from --api-key, else from this variable (entrypoints/serve/middleware).
