@@ -74,6 +74,7 @@ from vllm_redeploy.endpoint import api_base
 from vllm_redeploy.events import failed_event, ready_event
 from vllm_redeploy.launch.caches import cache_owner, compile_cache_words
 from vllm_redeploy.launch.choose import BACKENDS, assumed, backend_problem, plan_for
+from vllm_redeploy.masking import mask_logs, masked
 from vllm_redeploy.names import artifact_key
 from vllm_redeploy.nodes import RemoteError
 from vllm_redeploy.safe_text import one_line, shown
@@ -197,6 +198,7 @@ def redeploy_vllm_cluster(
         log().error("failed at config: %s", reason)
         raise StepFailed("config", reason) from None
     run = Run(config)
+    unmask = mask_logs(config.secret_values())
     run.records.record("tags", lambda: tag_this_run(config.name))  # what `pause` finds it by
     report(StepEvent("flow run", "named", detail=named_run()))
     summary = RunSummary(
@@ -238,13 +240,20 @@ def redeploy_vllm_cluster(
     except BaseException as exc:  # every failure ends the same way: diagnostics, event, teardown
         if exc is not handled:  # taking the cluster failed: nothing was started
             _fail(run, summary, *_explain(exc, step.current), keep_on_failure, step)
-        if not isinstance(exc, Exception) or isinstance(exc, StepFailed | RemoteError):
+        if not isinstance(exc, Exception):
             raise
-        raise StepFailed(*_explain(exc, step.current)) from exc
+        failed_step, reason = _explain(exc, step.current)
+        hidden = masked(reason, config.secret_values())
+        if hidden != reason:  # the state message and its traceback: nothing of the secret
+            raise StepFailed(failed_step, hidden) from None
+        if isinstance(exc, StepFailed | RemoteError):
+            raise
+        raise StepFailed(failed_step, reason) from exc
     finally:
         run.hold_check = None
         _flush(run)
         run.close()
+        unmask()
 
 
 def _hands_off(run: Run, step: Steps, stopped: HandsOff) -> State:
@@ -405,7 +414,7 @@ def _finish(run: Run, summary: RunSummary, event: bool = True) -> dict[str, Any]
 
 def _record_summary(run: Run, summary: RunSummary, description: str) -> str:
     """The summary's markdown, recorded as the run's summary artifact."""
-    markdown = render_markdown(summary)
+    markdown = masked(render_markdown(summary), run.config.secret_values())
     key = artifact_key(summary.cluster, "summary")
     run.records.record(
         "summary", lambda: create_markdown_artifact(markdown, key=key, description=description)
@@ -453,6 +462,7 @@ def _fail(
 ) -> None:
     """Report a failure everywhere it is looked for, and remove what this run started (unless
     kept to debug it); each part is tried even if another fails."""
+    reason = masked(reason, run.config.secret_values())
     log().error("failed at %s: %s", step, reason)
     if reason.startswith("unexpected error"):
         log().error("the unexpected error's traceback", exc_info=True)

@@ -15,6 +15,7 @@ from prefect import get_run_logger
 
 from tasks.records import Recorder
 from vllm_redeploy.config import ClusterConfig, NodeConfig
+from vllm_redeploy.masking import hide
 from vllm_redeploy.nodes import (
     AuthenticationFailed,
     ConnectionLost,
@@ -87,6 +88,7 @@ class StepFailed(Exception):
     """A step failed for a reason that retrying will not fix; the message says what to do."""
 
     def __init__(self, step: str, reason: str) -> None:
+        reason = hide(reason)  # Prefect makes the step's state message of it
         super().__init__(f"{step}: {reason}")
         self.step = step
         self.reason = reason

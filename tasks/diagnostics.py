@@ -11,10 +11,10 @@ from prefect.cache_policies import NO_CACHE
 from tasks.context import Run
 from vllm_redeploy.launch.choose import BACKENDS
 from vllm_redeploy.launch.group import LABEL_BACKEND
+from vllm_redeploy.masking import masked
 from vllm_redeploy.names import artifact_key
 from vllm_redeploy.nodes import NodeAccess, RemoteError, fan_out
 from vllm_redeploy.nodes.containers import cluster_labels
-from vllm_redeploy.nodes.result import MASK
 from vllm_redeploy.parsers.nvidia_smi import COMPUTE_APPS_ARGV
 from vllm_redeploy.safe_text import fenced, one_line, shown
 
@@ -85,9 +85,7 @@ def collect_diagnostics(run: Run, step: str, reason: str) -> str:
             sections.append(f"## {outcome.node}\nunreachable: {one_line(outcome.error)}")
         else:
             sections.append(outcome.value or "")
-    text = "\n\n".join(sections)
-    for secret in run.config.secret_values():
-        text = text.replace(secret, MASK)
+    text = masked("\n\n".join(sections), run.config.secret_values())
     run.records.record(
         "diagnostics",
         lambda: create_markdown_artifact(

@@ -140,7 +140,13 @@ def runs(prefect_api: str, workdir: Path) -> Iterator[Runs]:
             scan = _scan_processes(bed, cluster, path)  # the engine serves now
             bed.write_config(
                 path,
-                vllm={"env": {"VRD_FAULT": "crash_during_load", "VRD_LOAD_SECONDS": "2"}},
+                vllm={
+                    "env": {
+                        "VRD_FAULT": "crash_during_load",
+                        "VRD_LOAD_SECONDS": "2",
+                        "VRD_PRINT_ENV": "HF_TOKEN",  # its log tail, in the reason, holds it
+                    }
+                },
                 **common,
             )
             failed = redeploy_vllm_cluster(str(path), "redeploy", return_state=True)
@@ -219,6 +225,7 @@ def test_no_secret_in_the_prefect_logs(runs: Runs) -> None:
         time.sleep(1)
     assert complete, (ok_logs[-5:], failed_logs[-5:])
     assert any("step preflight" in x for x in ok_logs)
+    assert any("HF_TOKEN=*****" in x for x in failed_logs)  # the reason's log tail, masked
     assert [x for x in ok_logs + failed_logs if leaks(x)] == []
 
 
@@ -242,6 +249,8 @@ def test_no_secret_in_any_artifact_nor_the_diagnostics(runs: Runs) -> None:
     text = str(diagnostics.data)
     assert "## node-1" in text and "nvidia-smi compute apps" in text
     assert "CUDA out of memory" in text  # the engine's own log is in it
+    summary = next(a for a in failed if a.key == f"{runs.cluster}-summary")
+    assert "HF_TOKEN=*****" in str(summary.data)  # the reason, with the log tail, masked
     for artifact in ok + failed:
         assert leaks(artifact.model_dump_json()) == [], artifact.key
 
@@ -269,6 +278,7 @@ def test_no_secret_in_flow_and_task_runs(runs: Runs) -> None:
 def test_no_secret_in_the_failure(runs: Runs) -> None:
     message = str(runs.failed.result(raise_on_failure=False))
     assert "wait-ready" in message and "exited with code 137" in message
+    assert "HF_TOKEN=*****" in message  # the engine's log tail held the token: masked
     assert leaks(message) == []
     assert leaks(runs.failed.message or "") == []
     assert leaks(json.dumps(runs.ok.result())) == []  # the successful run's result, too
@@ -298,6 +308,7 @@ def test_no_secret_in_any_prefect_event(runs: Runs, prefect_api: str) -> None:
             break
         time.sleep(1)
     assert failed and "wait-ready" in failed[0]["payload"]["step"]
+    assert "HF_TOKEN=*****" in json.dumps(failed[0]["payload"])
     assert len(events) > 20  # flow runs and task runs report their states as events
     assert [e["event"] for e in events if leaks(json.dumps(e))] == []
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_redeploy.config import ClusterConfig, NodeConfig
-from vllm_redeploy.config.cluster import MASK
 from vllm_redeploy.config.launch import API_KEY_VARIABLE
 from vllm_redeploy.endpoint import api_base
 from vllm_redeploy.launch import (
@@ -19,6 +18,7 @@ from vllm_redeploy.launch import (
     plan_for,
 )
 from vllm_redeploy.launch.choose import AUTO, AUTO_NOTE
+from vllm_redeploy.masking import MASK
 from vllm_redeploy.memory import DROP_SCRIPT
 from vllm_redeploy.nodes import NodeAccess, RemoteError, fan_out, render_command
 from vllm_redeploy.nodes.containers import ContainerInfo, ContainerSpec, cluster_labels

@@ -28,6 +28,7 @@ from vllm_redeploy.config.runs import (
     WatchConfig,
     WebhookConfig,
 )
+from vllm_redeploy.masking import MASK
 
 
 class ClusterConfig(BaseSettings):
@@ -176,7 +177,6 @@ SECRET_KEYS: tuple[tuple[str, str], ...] = (
     ("ssh", "key_passphrase"),
     ("secrets", "vllm_api_key"),
 )
-MASK = "*****"
 
 
 def settings_data(config: ClusterConfig) -> dict[str, Any]:

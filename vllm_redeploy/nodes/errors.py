@@ -6,6 +6,7 @@ Prefect persists task failures, so every error defines ``__reduce__``: an except
 
 from __future__ import annotations
 
+from vllm_redeploy.masking import hide
 from vllm_redeploy.nodes.result import CommandResult, render_command
 from vllm_redeploy.safe_text import block, one_line
 
@@ -16,6 +17,7 @@ class RemoteError(Exception):
     """Base of everything that can go wrong while reaching or using a node."""
 
     def __init__(self, node: str, message: str) -> None:
+        message = hide(message)  # a log tail in it may hold a secret of the run
         super().__init__(message)
         self.node = node
         self.message = message

@@ -7,17 +7,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from vllm_redeploy.masking import masked
+
 Stream = Literal["stdout", "stderr"]
-MASK = "*****"
 
 
 def render_command(argv: Sequence[str], secrets: Sequence[str] = ()) -> str:
     """The shell rendering of argv with every secret value masked, for logs and errors."""
-    text = shlex.join(argv)
-    for secret in secrets:
-        if secret:
-            text = text.replace(secret, MASK)
-    return text
+    return masked(shlex.join(argv), secrets)
 
 
 @dataclass(frozen=True)

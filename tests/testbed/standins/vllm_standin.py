@@ -44,7 +44,8 @@ Test-bed knobs (environment):
   ``VRD_RENDEZVOUS_TIMEOUT`` (shortens the mp rendezvous' 600 s), ``VRD_HANDSHAKE_TIMEOUT``
   (300 s: a headless node-rank 0 waiting for a front-end), ``VRD_NEEDS_LIBRARY`` (a directory
   that must be on LD_LIBRARY_PATH, else serve fails as FlashInfer's JIT does on a GB10 without
-  NGC's CUDA forward-compatibility libraries).
+  NGC's CUDA forward-compatibility libraries), ``VRD_PRINT_ENV`` (variable names, comma-separated,
+  printed as NAME=value before vLLM's first line, as an entrypoint that dumps its environment).
 - ``VRD_FAULT``: comma-separated ``name[:value]``: crash_during_load, exit_during_load:N, hang,
   wrong_name:NAME, health_503, empty, garbage (one token over and over), slow:SECONDS, http_500,
   html_error, malformed_json,
@@ -1622,6 +1623,8 @@ def bind_api_socket(config: ServeConfig) -> socket.socket:
 
 
 def log_startup(log: Log, knobs: Knobs, args: argparse.Namespace) -> None:
+    for name in filter(None, os.environ.get("VRD_PRINT_ENV", "").split(",")):
+        print(f"{name}={os.environ.get(name, '')}", flush=True)  # an entrypoint's `env` dump
     log.api("INFO", "api_server.py:1885", f"vLLM API server version {knobs.version}")
     log.api("INFO", "utils.py:253", f"non-default args: {non_default_args(args)}")
 
