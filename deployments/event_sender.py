@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -24,6 +25,7 @@ import queue
 import tempfile
 import threading
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,17 @@ from vllm_redeploy.events import (  # noqa: F401 - the webhook's and the tests' 
 )
 
 log = logging.getLogger("vllm_redeploy.events")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why an event was not queued: ``full`` (Prefect is behind), ``disk`` (the spool's disk is
+    full), ``spool`` (the spool cannot take it otherwise), ``closing``."""
+
+    kind: str
+    words: str
+
+
 # Prefect's answers worth retrying besides 5xx: a timeout, back-pressure, and a wrong auth string
 # or URL (the operator can fix those; the events themselves are not at fault).
 RETRIED = frozenset({401, 403, 404, 408, 429})
@@ -120,22 +133,28 @@ class EventSender:
     def submit(self, event: dict[str, Any]) -> bool:
         """Queue ``event`` for delivery (in the spool first, if any); False (and nothing queued)
         when full, closed, or the spool cannot take it."""
+        return self.offer(event) is None
+
+    def offer(self, event: dict[str, Any]) -> Refusal | None:
+        """As ``submit``: None when queued, else why not."""
         if self._closing.is_set():
-            return False
+            return Refusal("closing", "the sender is shutting down")
         with self._lock:
             if self._pending >= self._max_queue:
                 log.warning("event queue full (%d): dropped %s", self._max_queue, event["id"])
-                return False
+                return Refusal("full", f"{self._max_queue} events are waiting for Prefect")
             path = None
             if self.spool is not None:
                 try:
                     path = _write_atomically(self.spool, event)
                 except (OSError, TypeError, ValueError) as exc:
                     log.error("cannot keep event %s in %s: %s", event["id"], self.spool, exc)
-                    return False
+                    disk = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                    why = exc.strerror if isinstance(exc, OSError) else str(exc)
+                    return Refusal("disk" if disk else "spool", f"{self.spool}: {why}")
             self._queue.put((event, path))
             self._pending += 1
-        return True
+        return None
 
     def close(self, timeout: float = 10.0) -> bool:
         """Deliver what is queued, for up to ``timeout`` s; True when nothing is left."""
@@ -219,7 +238,13 @@ class EventSender:
                 return
             self.last_error = problem
             if status is not None and status < 500 and status not in RETRIED:
-                log.error("Prefect refused %d event(s): %s", len(batch), problem)
+                if len(batch) > 1:  # one bad event refuses the batch: find it
+                    log.warning("Prefect refused %d events (%s): sending them one by one",
+                                len(batch), problem)  # fmt: skip
+                    for one in batch:
+                        self._deliver(client, [one])
+                    return
+                log.error("Prefect refused event %s (%s): set aside", events[0]["id"], problem)
                 self._done(batch, delivered=False)
                 return
             log.warning(
@@ -230,10 +255,13 @@ class EventSender:
             delay = min(delay * 2, self._max_backoff_s)
 
     def _done(self, batch: list[tuple[dict[str, Any], Path | None]], delivered: bool) -> None:
-        for _, path in batch:  # Prefect has it, or refused it for good
+        for _, path in batch:  # Prefect has it, or refused it for good (kept to be read)
             if path is not None:
                 with contextlib.suppress(OSError):
-                    path.unlink(missing_ok=True)
+                    if delivered:
+                        path.unlink(missing_ok=True)
+                    else:
+                        path.rename(path.with_suffix(".bad"))
         with self._lock:
             self._pending -= len(batch)
             if delivered:

@@ -24,8 +24,10 @@ import hashlib
 import hmac
 import logging
 import os
+import pwd
 import re
 import resource
+import shlex
 import signal
 import threading
 import time
@@ -44,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from deployments.event_sender import EventSender, reboot_event, reboot_event_id
+from deployments.event_sender import EventSender, Refusal, reboot_event, reboot_event_id
 from deployments.reboot_rounds import RebootRounds
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.names import webhook_path
@@ -78,7 +80,7 @@ class Sender(Protocol):
     @property
     def pending(self) -> int: ...
 
-    def submit(self, event: dict[str, Any]) -> bool: ...
+    def offer(self, event: dict[str, Any]) -> Refusal | None: ...
 
 
 class RebootNotice(BaseModel):
@@ -203,6 +205,7 @@ def _add_reboot_route(
             401: {"model": Problem, "description": "Missing or bad signature, or stale time."},
             413: {"model": Problem, "description": f"Body over {limit} bytes."},
             503: {"model": Problem, "description": "Event queue full; retry later."},
+            507: {"model": Problem, "description": "The spool's disk is full; retry later."},
         },
         openapi_extra={
             "requestBody": {
@@ -278,7 +281,13 @@ def _add_reboot_route(
             )
             return JSONResponse({"accepted": True, "event_id": event_id}, status_code=202)
         event = reboot_event(config.name, notice.node, boot, notice.uptime_s)
-        if not sender.submit(event):
+        if (refused := sender.offer(event)) is not None:
+            if refused.kind == "disk":
+                why = f"the webhook cannot keep the notice: {refused.words}; free space there"
+                return refuse(507, f"{why}; retry later", {"Retry-After": "30"})
+            if refused.kind == "spool":
+                why = f"the webhook cannot keep the notice: {refused.words}"
+                return refuse(503, f"{why}; retry later", {"Retry-After": "30"})
             return refuse(503, "event queue full; retry later", {"Retry-After": "30"})
         boots.add(notice.node, boot)  # no await since the check above: no other call between
         log.info(
@@ -578,6 +587,8 @@ def serve_webhook(
     limits = fit_open_files(connection_limits(configs), raise_soft_limit=True)
     if sender is None:
         spool = spool_directory(configs)
+        if problem := spool_problem(spool):
+            raise ValueError(problem)
         try:
             sender = EventSender(spool_dir=spool)
         except OSError as exc:
@@ -645,6 +656,32 @@ def spool_directory(configs: Sequence[ClusterConfig]) -> Path:
         xdg = os.environ.get("XDG_STATE_HOME")
         base = (Path(xdg) if xdg else Path.home() / ".local" / "state") / "vllm-redeploy"
     return base / "webhook-spool" / "+".join(sorted(c.name for c in configs))
+
+
+def spool_problem(spool: Path) -> str | None:
+    """Why ``spool`` must not be used: every file there is posted to Prefect with this
+    service's credential, so only this service's user may write there (owner, mode 0700)."""
+    try:
+        found = spool.stat()
+    except FileNotFoundError:
+        return None  # made with mode 0700 at the start
+    except OSError as exc:
+        return f"cannot read the spool directory {spool}: {exc.strerror}"
+    user = pwd.getpwuid(os.geteuid()).pw_name
+    fix = f"chown {user} {shlex.quote(str(spool))} && chmod 700 {shlex.quote(str(spool))}"
+    if found.st_uid != os.geteuid():
+        return (
+            f"the spool directory {spool} belongs to UID {found.st_uid}, not to this service's "
+            f"user {user}: whoever owns it could plant events that the webhook posts to Prefect "
+            f"with its credential. Run `{fix}`, or set webhook.spool_dir to a directory of {user}"
+        )
+    if found.st_mode & 0o077:
+        return (
+            f"the spool directory {spool} has mode {found.st_mode & 0o777:04o}: other users "
+            f"could read or plant events that the webhook posts to Prefect with its credential. "
+            f"Run `{fix}`"
+        )
+    return None
 
 
 def _one_setting(

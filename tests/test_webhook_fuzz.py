@@ -25,7 +25,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from deployments.event_sender import EVENT_REBOOTED, EventSender, node_resource_id, reboot_event_id
+from deployments.event_sender import (
+    EVENT_REBOOTED,
+    EventSender,
+    Refusal,
+    node_resource_id,
+    reboot_event_id,
+)
 from deployments.webhook import (
     RECENT_BOOTS,
     SIGNATURE_HEADER,
@@ -51,10 +57,10 @@ class RecordingSender(EventSender):
         super().__init__(api_url)
         self.submitted: list[dict[str, Any]] = []
 
-    def submit(self, event: dict[str, Any]) -> bool:
+    def offer(self, event: dict[str, Any]) -> Refusal | None:
         if event["event"] == EVENT_REBOOTED:
             self.submitted.append(event)
-        return super().submit(event)
+        return super().offer(event)
 
 
 class ServerErrors(logging.Handler):

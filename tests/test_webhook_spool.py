@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from deployments.event_sender import EVENT_REBOOTED, EventSender, reboot_event_id
+from deployments.event_sender import EVENT_REBOOTED, EventSender, Refusal, reboot_event_id
 from deployments.webhook import SECRET_ENV, running_webhook
 from tests.test_webhook import make_config, notice, prefect_events, signed, wait_for_event
 from tests.test_webhook_fuzz import stored_ids
@@ -103,9 +103,9 @@ class CountingSender(EventSender):
         super().__init__(api_url, **options)
         self.submitted: dict[str, int] = {}
 
-    def submit(self, event: dict[str, Any]) -> bool:
+    def offer(self, event: dict[str, Any]) -> Refusal | None:
         self.submitted[event["id"]] = self.submitted.get(event["id"], 0) + 1
-        return super().submit(event)
+        return super().offer(event)
 
 
 async def replay(url: str, body: bytes, headers: dict[str, str], times: int) -> list[Any]:
