@@ -4,6 +4,7 @@ fixtures of tests/fixtures/fabric (see its README), the twin rules, NCCL's value
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -102,7 +103,9 @@ def test_the_real_script_runs_here_and_parses() -> None:
     assert facts.socket_ifnames[0] == owner
     if not facts.hcas:  # this machine has no RDMA (see local-no-rdma.txt)
         assert facts.nccl_ib_hca is None
-        assert facts.rdma_devices == ()
+        # None, but the verbs device nodes the bed makes here while an RDMA bed is up
+        # (tests/testbed/fabric.py), perhaps on the other worker right now.
+        assert all(re.fullmatch(r"/dev/infiniband/uverbs\d", d) for d in facts.rdma_devices)
 
 
 def test_the_saved_local_capture() -> None:
