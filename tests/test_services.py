@@ -958,11 +958,21 @@ def test_compose_gives_each_service_only_its_secrets_and_mounts(tmp_path: Path) 
     assert {name: _mounts(s) for name, s in ours.items()} == {
         "deploy": set(),
         "worker": {config, SSH_DIR},
-        "webhook": {config},  # the network reaches it: no SSH key in its container
+        # The network reaches it: no SSH key in its container; its spool in a named volume.
+        "webhook": {config, "/var/lib/vllm-redeploy-webhook"},
         "watcher": {config, SSH_DIR},
     }
     webhook = ours["webhook"]
-    assert set(webhook["environment"]) == {"PREFECT_API_URL", AUTH_CLIENT, SECRET_ENV}
+    assert set(webhook["environment"]) == {
+        "PREFECT_API_URL",
+        AUTH_CLIENT,
+        SECRET_ENV,
+        "STATE_DIRECTORY",
+    }
+    state = webhook["environment"]["STATE_DIRECTORY"]
+    assert f"webhook-state:{state}" in webhook["volumes"]  # outlives `up -d`
+    assert "webhook-state" in _compose()["volumes"]
+    assert f"-m 0700 {state}" in (REPO / "deployments/compose/Dockerfile").read_text()
     # The worker's runs use the mounted configuration only (a run naming another is refused).
     assert ours["worker"]["environment"]["VLLM_REDEPLOY_CONFIG"] == config
     # The webhook reads the configuration without the SSH keys, which its container lacks: the
