@@ -137,10 +137,15 @@ def _problem(status: int, message: str, headers: dict[str, str] | None = None) -
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
-def create_app(clusters: ClusterConfig | Sequence[ClusterConfig], sender: Sender) -> FastAPI:
+def create_app(
+    clusters: ClusterConfig | Sequence[ClusterConfig],
+    sender: Sender,
+    state_dir: Path | None = None,
+) -> FastAPI:
     """The webhook app; events go to ``sender``. Each cluster's nodes post to
     ``/clusters/NAME/reboot``, signed with that cluster's secret; with one cluster ``/reboot``
-    works too (notifiers installed before several clusters shared a webhook)."""
+    works too (notifiers installed before several clusters shared a webhook). With
+    ``state_dir``, each cluster's reboot round is kept there and outlives a restart."""
     configs = [clusters] if isinstance(clusters, ClusterConfig) else list(clusters)
     for config in configs:
         webhook_secret(config)
@@ -159,7 +164,8 @@ def create_app(clusters: ClusterConfig | Sequence[ClusterConfig], sender: Sender
         return Health(pending_events=sender.pending)
 
     for config in configs:
-        rounds = RebootRounds(config, sender.submit)
+        state = state_dir / f"round-{config.name}.state" if state_dir is not None else None
+        rounds = RebootRounds(config, lambda event: sender.offer(event) is None, state)
         boots = RecentBoots()
         route = (app, config, sender, rounds, boots)
         _add_reboot_route(*route, f"{webhook_path(config.name)}/reboot")
@@ -585,8 +591,8 @@ def serve_webhook(
         if why := config.webhook.unreachable(host):
             log.warning("%s: %s", config.name, why)
     limits = fit_open_files(connection_limits(configs), raise_soft_limit=True)
+    spool = spool_directory(configs)
     if sender is None:
-        spool = spool_directory(configs)
         if problem := spool_problem(spool):
             raise ValueError(problem)
         try:
@@ -606,7 +612,7 @@ def serve_webhook(
         else None
     )
     try:
-        app = create_app(configs, sender)
+        app = create_app(configs, sender, spool if spool.is_dir() else None)
         config = _uvicorn_config(
             app,
             limits,

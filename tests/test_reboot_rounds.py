@@ -4,8 +4,12 @@ node reported its new boot, else reboot_delay_s after the first report; a boot c
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
+import pytest
+
+from deployments import reboot_rounds
 from deployments.reboot_rounds import RebootRounds
 from tests.test_webhook import make_config
 from vllm_redeploy.events import EVENT_CLUSTER_REBOOTED
@@ -77,3 +81,60 @@ def test_a_closed_webhook_emits_nothing_for_its_open_round() -> None:
     r.close()
     time.sleep(0.5)
     assert sent == []
+
+
+def test_a_round_outlives_a_restart_of_the_webhook(tmp_path: Path) -> None:
+    state = tmp_path / "round-rr.state"
+    config = make_config("rr", None, reboot_delay_s=3600)
+    before = Sent()
+    first = RebootRounds(config, before.submit, state)
+    first.reported("node-1", "b1")
+    first.close()  # restarted mid-round (an upgrade, a crash)
+    after = Sent()
+    second = RebootRounds(config, after.submit, state)
+    second.reported("node-1", "b1")  # the notifier retrying the same boot: counted already
+    assert after == []
+    second.reported("node-2", "b2")
+    (event,) = after
+    assert event["payload"]["boots"] == {"node-1": "b1", "node-2": "b2"}
+    assert before == []
+    second.close()
+
+
+def test_a_round_a_restart_interrupted_closes_when_it_would_have(tmp_path: Path) -> None:
+    state = tmp_path / "round-rr.state"
+    config = make_config("rr", None, reboot_delay_s=1.0)
+    first = RebootRounds(config, Sent().submit, state)
+    first.reported("node-1", "b1")
+    first.close()
+    after = Sent()
+    second = RebootRounds(config, after.submit, state)  # no report to it
+    deadline = time.monotonic() + 10
+    while not after and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (event,) = after
+    assert event["payload"]["missing"] == ["node-2"]
+    assert 1.0 <= event["payload"]["waited_s"] < 5
+    second.close()
+
+
+def test_a_cluster_event_the_sender_cannot_take_is_offered_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its disk full, the spool refuses it; the event is what starts the after-reboot run."""
+    monkeypatch.setattr(reboot_rounds, "RETRY_S", 0.2)
+    offered: list[dict[str, Any]] = []
+
+    def full_then_free(event: dict[str, Any]) -> bool:
+        offered.append(event)
+        return len(offered) >= 3
+
+    r = RebootRounds(make_config("rr", None, reboot_delay_s=3600), full_then_free)
+    r.reported("node-1", "b1")
+    r.reported("node-2", "b2")
+    deadline = time.monotonic() + 10
+    while len(offered) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    assert len(offered) == 3 and offered[0] == offered[2]  # taken the third time, then no more
+    r.close()
