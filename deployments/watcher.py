@@ -21,11 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
+import sysconfig
 import threading
 import time
+import traceback
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import httpx
 from prefect import get_client
@@ -291,10 +295,7 @@ def _loop(watcher: ClusterWatcher, stop: threading.Event) -> None:
     beaten = -BEAT_S
     while not stop.is_set():
         started = time.monotonic()
-        try:
-            watcher.look_once()
-        except Exception as exc:  # a look that failed says nothing about the cluster
-            log.warning("%s: could not look: %s", name, one_line(exc))
+        _look_watched(watcher, stop)
         if started - beaten >= BEAT_S:
             try:
                 beat_watcher(name, interval)
@@ -307,3 +308,45 @@ def _loop(watcher: ClusterWatcher, stop: threading.Event) -> None:
             with contextlib.suppress(Exception):  # asked again at the next look
                 watcher.tell_last_run()
         stop.wait(max(0.0, interval - (time.monotonic() - started)))
+
+
+def _look_watched(watcher: ClusterWatcher, stop: threading.Event) -> None:
+    """One look, under a watchdog: every read of a look has its own deadline, so one that
+    outlasts ``look_limit_s`` is a bug; it is said, with where it waits, until it ends (the next
+    look waits for it: two looks at once would count one failure twice)."""
+    name = watcher.config.name
+
+    def look() -> None:
+        try:
+            watcher.look_once()
+        except Exception as exc:  # a look that failed says nothing about the cluster
+            log.warning("%s: could not look: %s", name, one_line(exc))
+
+    thread = threading.Thread(target=look, name=f"{name}-look", daemon=True)
+    thread.start()
+    limit = look_limit_s(watcher.config)
+    while True:
+        thread.join(limit)
+        if not thread.is_alive() or stop.is_set():
+            return
+        log.warning("%s: a look has taken more than %.0f s, still waiting in %s",
+                    name, limit, _where(thread))  # fmt: skip
+
+
+_LIBRARIES = tuple({sysconfig.get_path(k) for k in ("stdlib", "purelib", "platlib")})
+
+
+def _where(thread: threading.Thread) -> str:
+    """The innermost line of ours (not Python's or a library's) that ``thread`` is running."""
+    frame = sys._current_frames().get(thread.ident or 0)
+    stack = traceback.extract_stack(frame) if frame is not None else []
+    ours = [f for f in stack if not f.filename.startswith(_LIBRARIES)] or stack
+    if not ours:
+        return "an unknown place"
+    f = ours[-1]
+    return one_line(f"{f.name} ({Path(f.filename).name}:{f.lineno}: {f.line})")
+
+
+def look_limit_s(config: ClusterConfig) -> float:
+    """How long a look may take: its slowest parts are the generation and SSH commands."""
+    return max(2 * config.watch.interval_s, config.watch.generate_timeout_s + 60.0)
