@@ -909,7 +909,8 @@ def test_compose_runs_the_controller_with_secrets_from_an_uncommitted_env_file()
         command = service.get("command", [])
         if "start" in command or "webhook" in command:  # a server: Docker watches its health
             assert "healthcheck" in service, name
-        if "build" in service:  # ours: each talks to the API with its auth string
+        # Ours: each talks to the API with its auth string, but the one that derives a file.
+        if "build" in service and name != "webhook-config":
             assert service["environment"]["PREFECT_API_AUTH_STRING"].startswith("${"), name
         for port in service.get("ports", []):
             assert port.split(":")[0] in ("127.0.0.1", "${WEBHOOK_ADDRESS"), port
@@ -947,19 +948,22 @@ def _mounts(service: dict[str, Any]) -> set[str]:
 def test_compose_gives_each_service_only_its_secrets_and_mounts(tmp_path: Path) -> None:
     services = _compose()["services"]
     ours = {name: s for name, s in services.items() if "build" in s}
-    assert set(ours) == {"deploy", "worker", "webhook", "watcher"}
+    assert set(ours) == {"deploy", "worker", "webhook-config", "webhook", "watcher"}
     assert {name: _secrets_of(s) for name, s in ours.items()} == {
         "deploy": {"PREFECT_AUTH_STRING", "VRD_CLUSTER"},
         "worker": {"PREFECT_AUTH_STRING", "HF_TOKEN", "SSH_KEY_PASSPHRASE", "VLLM_API_KEY"},
+        "webhook-config": set(),
         "webhook": {"PREFECT_AUTH_STRING", "WEBHOOK_SECRET"},
         "watcher": {"PREFECT_AUTH_STRING", "SSH_KEY_PASSPHRASE", "VLLM_API_KEY"},
     }
-    config = "/etc/vllm-redeploy/cluster.toml"
+    config, derived_dir = "/etc/vllm-redeploy/cluster.toml", "/etc/vllm-redeploy-webhook"
     assert {name: _mounts(s) for name, s in ours.items()} == {
         "deploy": set(),
         "worker": {config, SSH_DIR},
-        # The network reaches it: no SSH key in its container; its spool in a named volume.
-        "webhook": {config, "/var/lib/vllm-redeploy-webhook"},
+        "webhook-config": {config, derived_dir},
+        # The network reaches it: no SSH key in its container, not even the whole configuration
+        # (its derived view only); its spool in a named volume.
+        "webhook": {derived_dir, "/var/lib/vllm-redeploy-webhook"},
         "watcher": {config, SSH_DIR},
     }
     webhook = ours["webhook"]
@@ -971,33 +975,34 @@ def test_compose_gives_each_service_only_its_secrets_and_mounts(tmp_path: Path) 
     }
     state = webhook["environment"]["STATE_DIRECTORY"]
     assert f"webhook-state:{state}" in webhook["volumes"]  # outlives `up -d`
-    assert "webhook-state" in _compose()["volumes"]
-    assert f"-m 0700 {state}" in (REPO / "deployments/compose/Dockerfile").read_text()
+    assert f"webhook-config:{derived_dir}:ro" in webhook["volumes"]
+    assert {"webhook-state", "webhook-config"} <= set(_compose()["volumes"])
+    dockerfile = (REPO / "deployments/compose/Dockerfile").read_text()
+    assert f"-m 0700 {state}" in dockerfile and derived_dir in dockerfile
+    assert webhook["depends_on"]["webhook-config"]["condition"] == "service_completed_successfully"
     # The worker's runs use the mounted configuration only (a run naming another is refused).
     assert ours["worker"]["environment"]["VLLM_REDEPLOY_CONFIG"] == config
-    # The webhook reads the configuration without the SSH keys, which its container lacks: the
-    # loader would refuse a key file that is not there. Its command, run here.
-    script = webhook["command"][2]
-    derive, serve = script.split(" && exec ")
+    # webhook-config derives the view without the SSH keys, which the webhook's container lacks:
+    # the loader would refuse a key file that is not there. Its command, run here.
+    derive = ours["webhook-config"]["command"]
     source = tmp_path / "cluster.toml"
     key = tmp_path / "no-such-key"  # as in the webhook's container: named, not there
     text = EXAMPLE.read_text().replace('# key_file = "~/.ssh/id_ed25519"', f'key_file = "{key}"')
     source.write_text(text)
     with pytest.raises(ConfigError, match="key file"):
         load_config(source, env_file=None)
-    argv = derive.split()
-    assert argv[:4] == ["python", "-m", "deployments.install_controller", "--webhook-config"]
-    assert argv[4] == config
+    assert derive[:4] == ["python", "-m", "deployments.install_controller", "--webhook-config"]
+    assert derive[4] == config and derive[5].startswith(f"{derived_dir}/")
     target = tmp_path / "webhook.toml"
     done = subprocess.run(
-        [sys.executable, *argv[1:4], str(source), str(target)],
+        [sys.executable, *derive[1:4], str(source), str(target)],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
-    assert serve.split()[:4] == ["vllm-redeploy", "webhook", "--config", argv[5]]
+    assert webhook["command"][:4] == ["vllm-redeploy", "webhook", "--config", derive[5]]
     derived = load_config(target, env_file=None)
     assert derived.name == load_config(EXAMPLE, env_file=None).name
     assert derived.ssh.key_file is None
