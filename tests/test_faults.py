@@ -44,7 +44,7 @@ from tests.conftest import RAY, make_bed
 from tests.testbed import image
 from tests.testbed.bed import SERVED_NAME, TestBed, bed_ip
 from tests.testbed.node import EmulatedNode
-from tests.testbed.procs import descendants, wait_until
+from tests.testbed.procs import descendants, free_port, wait_until
 from vllm_redeploy import PROJECT
 from vllm_redeploy.config import ClusterConfig, load_config
 from vllm_redeploy.launch.group import engine_container
@@ -594,7 +594,9 @@ def test_stray_listener_on_a_port(fault_bed: TestBed, row: Row, which: str) -> N
     and refuses before anything stops."""
     backend: dict[str, Any] = RAY if which == "ray" else {}
     if which == "api-on-loopback":
-        backend = {"host": "0.0.0.0"}  # the product's default
+        # The product's default host; a port of this worker's own, since the bed's 127.0.0.1 is
+        # the machine's, where the other worker's tests listen too.
+        backend = {"host": "0.0.0.0", "port": free_port("127.0.0.1")}
     config = bed_config(fault_bed, vllm=backend)
     port = config.vllm.port if which != "ray" else config.ray.port
     label = "API port" if which != "ray" else "Ray port"
