@@ -133,7 +133,10 @@ def test_logs_follow_prints_new_lines_as_they_come_until_interrupted(
         env=_plain_env(),
     )
     seen: list[str] = []
+    said: list[str] = []  # read as it comes: a full pipe would stop the command
     threading.Thread(target=lambda: seen.extend(follow.stdout), daemon=True).start()  # type: ignore[arg-type]
+    reading = threading.Thread(target=lambda: said.extend(follow.stderr), daemon=True)  # type: ignore[arg-type]
+    reading.start()
     try:
         # Followed once each member's last line came: the streams are open (a loaded machine
         # takes a while to start the CLI and reach both nodes).
@@ -151,9 +154,14 @@ def test_logs_follow_prints_new_lines_as_they_come_until_interrupted(
         follow.send_signal(signal.SIGINT)
         try:
             follow.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            follow.send_signal(signal.SIGUSR1)  # where its threads wait, on its stderr
+            time.sleep(2)
+            raise AssertionError("no exit 60 s after Ctrl-C:\n" + "".join(said)[-6000:]) from None
         finally:
             follow.kill()
-    stderr = follow.stderr.read()  # type: ignore[union-attr]
+    reading.join(10)  # to its end
+    stderr = "".join(said)
     assert follow.returncode == 130 and "Traceback" not in stderr, stderr
 
 

@@ -5,7 +5,9 @@ deployments and read the cluster's standing from Prefect. Each command module re
 commands on the one Typer app (common.py) when imported.
 """
 
+import faulthandler
 import os
+import signal
 from pathlib import Path
 
 from deployments.cli import (
@@ -36,6 +38,9 @@ __all__ = [
 
 def main() -> None:
     _leave_a_directory_it_cannot_search()
+    # `kill -USR1 PID` prints where each thread of a command (a watcher, a run) waits, to stderr
+    # (the journal under systemd), and the command goes on.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     app()
 
 

@@ -165,7 +165,12 @@ def _follow(
         threading.Thread(target=pump, args=(source,), daemon=True, name="logs").start()
     left, broke = len(sources), False
     while left:
-        source, item = lines_in.get()
+        try:
+            # Timed: the kernel may hand Ctrl-C's signal to a reader thread, and the main thread
+            # sees it only when it runs again; an untimed wait with no new line never does.
+            source, item = lines_in.get(timeout=0.2)
+        except queue.Empty:
+            continue
         if isinstance(item, str):
             _show(prefixes[source], item)
             continue
