@@ -34,7 +34,7 @@ def prove_transport(run: Run, plan: LaunchPlan) -> TransportVerdict:
     members = plan.rank_logs
     texts = fan_out(
         [run.node_config(m.node) for m in members],
-        lambda n: run.node(n.name).docker.logs_tail(_of(members, n.name), "all"),
+        lambda n: run.node(n.name).docker.log_head(_of(members, n.name)),
     )
     logs = [(o.node, o.value or "") for o in texts]
     node_ips = {n.ip: n.name for n in config.nodes}

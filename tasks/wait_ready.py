@@ -108,7 +108,7 @@ def wait_until_ready(run: Run, plan: LaunchPlan) -> Ready:
                 report(StepEvent(STEP, "loading", load=LoadProgress(100, shards, shards)))
                 log().info("%s is served at %s after %.1f s", want, url, waited)
                 version = engine_version(client, url, docker.exec_runner(name))
-                compiled = compile_cache_state(docker.logs_tail(name, "all"))
+                compiled = compile_cache_state(docker.log_head(name))
                 return Ready(listed, waited, version, compiled)
             if listed:  # vLLM answers only once loaded, and its served names are fixed for life
                 raise StepFailed(

@@ -177,6 +177,29 @@ def test_run_detached_with_labels_env_logs_wait(node_docker: NodeDocker, engine)
     )
 
 
+def test_the_head_of_a_long_log_is_read_without_the_rest(
+    node_docker: NodeDocker,
+    engine,  # type: ignore[no-untyped-def]
+) -> None:
+    """A start's lines (NCCL's choice) are at the top of a log that weeks of request lines
+    follow: read up to a byte cap, then the stream is closed."""
+    name = _unique("chatty")
+    engine.made.append(name)
+    script = (
+        'echo "NCCL INFO Using network IB"; i=0; '
+        'while [ $i -lt 20000 ]; do echo "request $i"; i=$((i+1)); done'
+    )
+    node_docker.run_detached(
+        ContainerSpec(name=name, image="vrd-test/busybox:1", command=["sh", "-c", script])
+    )
+    assert node_docker.wait(name, timeout_s=30) == 0
+    head = node_docker.log_head(name, max_bytes=4096)
+    assert head.startswith("NCCL INFO Using network IB\nrequest 0\n")
+    assert 3500 < len(head) <= 4096 and "request 19999" not in head
+    assert "request 19999" in node_docker.log_head(name, max_bytes=1024 * 1024)
+    assert node_docker.logs_tail(name, lines=1).strip() == "request 19999"  # the stream closed
+
+
 def test_wait_returns_none_while_running(node_docker: NodeDocker, engine) -> None:  # type: ignore[no-untyped-def]
     name = _unique("long")
     _autostart(engine, name)

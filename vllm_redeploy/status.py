@@ -203,14 +203,14 @@ def _node_status(
 def _rank_logs(
     access: NodeAccess, config: ClusterConfig, containers: list[ContainerStatus]
 ) -> list[str]:
-    """Whole logs of the running containers whose ranks log NCCL's choice (the plan of what
-    runs says which: with Ray the engine's holds every node's)."""
+    """The start of the logs of the running containers whose ranks log NCCL's choice (the plan
+    of what runs says which: with Ray the engine's holds every node's)."""
     rank_logs = {m.spec.name for m in running_plan(config, [containers]).rank_logs}
     logs = []
     for c in containers:
         if c.running and c.name in rank_logs:
             with contextlib.suppress(RemoteError):
-                logs.append(access.docker.logs_tail(c.name, "all"))
+                logs.append(access.docker.log_head(c.name))
     return logs
 
 

@@ -43,6 +43,9 @@ from vllm_redeploy.safe_text import one_line
 API_VERSION = "1.41"
 NEWEST_API = docker.constants.DEFAULT_DOCKER_API_VERSION  # 1.45 for docker 7.2
 API_TIMEOUT_S = 60
+# A start's log (NCCL's INFO lines of every rank, the load, the compile) is well under this; what
+# follows it is request lines, weeks of them on a long-running engine.
+LOG_HEAD_BYTES = 4 * 1024 * 1024
 DIAL_ARGV = ("docker", "system", "dial-stdio")  # what the SDK runs on a node to reach Docker
 # Placeholder base URL: the real transport is mounted on http+docker://ssh below.
 _SSH_BASE_URL = "http+docker://ssh"
@@ -479,8 +482,27 @@ class NodeDocker:
             raise DockerError(
                 self.node, f"Docker on {self.node}: the log of {name} broke off: {exc}"
             ) from None
+        finally:  # a reader that stops early closes the stream, not the garbage collector
+            with contextlib.suppress(Exception):
+                chunks.close()
         if pending:
             yield pending.decode("utf-8", "replace")
+
+    def log_head(self, name: str, max_bytes: int = LOG_HEAD_BYTES) -> str:
+        """The container's log from its start, up to ``max_bytes``: what a start logs (NCCL's
+        choice, the compile cache) without the weeks of request lines that may follow."""
+        kept: list[str] = []
+        size = 0
+        lines = self.log_lines(name)
+        try:
+            for line in lines:
+                size += len(line) + 1
+                if size > max_bytes:
+                    break
+                kept.append(line)
+        finally:
+            lines.close()
+        return "\n".join(kept)
 
     def wait(self, name: str, timeout_s: float) -> int | None:
         """Wait for the container to exit: its exit code, or None if running at the deadline."""
