@@ -43,7 +43,7 @@ from typing import Any
 import httpx
 
 from bench.report import write_results
-from deployments.event_sender import EVENT_REBOOTED, reboot_event_id
+from deployments.event_sender import EVENT_REBOOTED, Refusal, reboot_event_id
 from deployments.webhook import SIGNATURE_HEADER, TIMESTAMP_HEADER, serve_webhook, sign
 from vllm_redeploy.config import ClusterConfig
 
@@ -64,9 +64,12 @@ class RecordingSender:
     def pending(self) -> int:
         return 0
 
-    def submit(self, event: dict[str, Any]) -> bool:
+    def offer(self, event: dict[str, Any]) -> Refusal | None:
         self.events.append(event)
-        return True
+        return None
+
+    def submit(self, event: dict[str, Any]) -> bool:
+        return self.offer(event) is None
 
     def close(self, timeout: float = 10.0) -> bool:
         with open(self.path, "w") as f:

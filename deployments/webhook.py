@@ -591,8 +591,9 @@ def serve_webhook(
         if why := config.webhook.unreachable(host):
             log.warning("%s: %s", config.name, why)
     limits = fit_open_files(connection_limits(configs), raise_soft_limit=True)
-    spool = spool_directory(configs)
+    spool = None  # where the reboot rounds are kept: beside the spool of a sender made here
     if sender is None:
+        spool = spool_directory(configs)
         if problem := spool_problem(spool):
             raise ValueError(problem)
         try:
@@ -612,7 +613,7 @@ def serve_webhook(
         else None
     )
     try:
-        app = create_app(configs, sender, spool if spool.is_dir() else None)
+        app = create_app(configs, sender, spool)
         config = _uvicorn_config(
             app,
             limits,
