@@ -238,11 +238,11 @@ def redeploy_vllm_cluster(
             return Completed(name=UNCHANGED, message=summary.action, data=result)
         return result
     except BaseException as exc:  # every failure ends the same way: diagnostics, event, teardown
+        failed_step, reason = _explain(exc, step.current)
         if exc is not handled:  # taking the cluster failed: nothing was started
-            _fail(run, summary, *_explain(exc, step.current), keep_on_failure, step)
+            _fail(run, summary, failed_step, reason, keep_on_failure, step)
         if not isinstance(exc, Exception):
             raise
-        failed_step, reason = _explain(exc, step.current)
         hidden = masked(reason, config.secret_values())
         if hidden != reason:  # the state message and its traceback: nothing of the secret
             raise StepFailed(failed_step, hidden) from None
