@@ -91,6 +91,10 @@ def alert_automations(
                 after={EVENT_UNHEALTHY},
                 expect={EVENT_READY},
                 match=match,
+                # A window per cluster, opened only by its report: without for_each, Prefect's
+                # periodic pass opens one on its own and the alert fires for a cluster nobody
+                # reported (seen: "still down" every few passes for a healthy one).
+                for_each={"prefect.resource.id"},
                 posture=Posture.Proactive,
                 threshold=1,
                 within=timedelta(seconds=config.alerts.unhealthy_for_s),

@@ -73,6 +73,11 @@ def test_alerts_say_a_run_failed_and_a_cluster_still_down_and_nothing_when_it_ca
     try:
         arm(prefect_api, receiver, cluster)
 
+        # Nobody reported it: nothing, for longer than Prefect's periodic pass takes to open a
+        # window of its own and let it run out (its alert came within 20 s when it did).
+        time.sleep(2 * UNHEALTHY_FOR_S + 5)
+        assert not [b for b in receiver.bodies if "still down" in b["subject"]], receiver.bodies
+
         # Still down: the absence of vllm.cluster.ready after the watcher's report.
         report = unhealthy_event(cluster, ["the engine is not running"], datetime.now(UTC))
         post_event(prefect_api, report)
