@@ -227,6 +227,20 @@ def test_a_cut_copy_fails_keeps_what_the_node_had_and_the_next_one_resumes(
     assert same_files(own["node-1"], own["node-2"])  # and nothing of the stage is left
 
 
+def test_a_target_that_stops_receiving_says_why(sync_bed: TestBed) -> None:
+    bed = sync_bed
+    model, own = own_model(bed, "refused")
+    own["node-2"].mkdir()  # root's: the login cannot make the stage in it
+    config = load_config(config_for(bed, "refused", model), env_file=None)
+    with one_copy(config) as (source, target, need, route):
+        assert not route.direct
+        with pytest.raises(SyncFailed) as caught:
+            sync_target(source, target, config, need, None, route, lambda _: None)
+    # Its own words, which come with its end, not only the broken pipe the relay saw.
+    assert "Permission denied" in str(caught.value), caught.value
+    assert list(own["node-2"].iterdir()) == []
+
+
 def test_a_cut_image_copy_leaves_the_tag_as_it_was(sync_bed: TestBed) -> None:
     bed = sync_bed
     ref = "vrd-bed/fat:1"

@@ -25,6 +25,7 @@ from vllm_redeploy.sync.plan import SyncNeed, human_bytes
 Progress = Callable[[int], None]  # bytes moved so far
 CHUNK = 1 << 20
 DIRECT_CHECK_S = 10.0
+ENDED_WAIT_S = 5.0  # for a receiver that stopped taking bytes to end and say why
 # Received files go under STAGE; each is renamed into the model directory once the stream
 # ended whole. Names come on stdin, each ended by a NUL (a name may hold any other byte).
 RECEIVE = 'mkdir -p -- "$2" && exec tar -C "$2" -xf -'
@@ -321,15 +322,14 @@ def _relay(
         receiver.close_stdin()
         sent, received = sender.wait(60), receiver.wait(3600)
     except (TimeoutError, RemoteError, OSError) as exc:
-        sender.kill()
-        receiver.kill()
         if isinstance(exc, TimeoutError):
             why = "no byte moved for a while (a cut link or a hung side)"
         elif isinstance(exc, RemoteError):
             why = one_line(exc)
-        else:  # a pipe broke: the side whose ssh ended says why
-            said = [_last_line(p.stderr_text()) for p in (receiver, sender)]
-            why = next((f"{one_line(w)} ({one_line(exc)})" for w in said if w), one_line(exc))
+        else:  # the receiver's end of the pipe closed: it ended, and says why
+            why = _ended(receiver, exc)
+        sender.kill()
+        receiver.kill()
         raise SyncFailed(
             target,
             f"the copy from {source} to {target} broke off after {human_bytes(moved)}: {why}",
@@ -346,6 +346,18 @@ def _relay(
             f"{side} said {one_line(_last_line(text) or 'nothing')}",
         )
     return moved
+
+
+def _ended(receiver: Process, exc: OSError) -> str:
+    """Why the receiver stopped taking bytes: its last line on stderr, else its exit code. It
+    is given a moment to end first, since what it said arrives with its end."""
+    code = receiver.wait(ENDED_WAIT_S)
+    said = _last_line(receiver.stderr_text())
+    if said:
+        return f"{one_line(said)} ({one_line(exc)})"
+    if code is not None:
+        return f"it ended with exit code {code} and said nothing ({one_line(exc)})"
+    return one_line(exc)
 
 
 def _last_line(text: str) -> str:
