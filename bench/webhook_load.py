@@ -3,8 +3,9 @@
     .venv/bin/python -m bench.webhook_load [--rate 200] [--duration 10] [--boots 8]
 
 The service is the real one: ``serve_webhook`` (uvicorn with its access log, as
-``vllm-redeploy webhook`` runs it) in its own process on 127.0.0.1, with a recording event sender
-in place of the one that posts to Prefect. One asyncio process drives it open-loop (request i
+``vllm-redeploy webhook`` runs it) in its own process on 127.0.0.1, keeping each event in its
+spool (a temporary directory; written whole and fsynced before the 202), which nothing forwards
+during the run and which is read afterwards. One asyncio process drives it open-loop (request i
 leaves at start + i/rate whether or not earlier ones have answered; latency counts from that
 scheduled moment) through httpx with keep-alive, mixing:
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import multiprocessing
 import os
@@ -43,7 +43,7 @@ from typing import Any
 import httpx
 
 from bench.report import write_results
-from deployments.event_sender import EVENT_REBOOTED, Refusal, reboot_event_id
+from deployments.event_sender import EVENT_REBOOTED, reboot_event_id
 from deployments.webhook import SIGNATURE_HEADER, TIMESTAMP_HEADER, serve_webhook, sign
 from vllm_redeploy.config import ClusterConfig
 
@@ -52,39 +52,12 @@ MIX = {"valid": 0.6, "replayed": 0.2, "forged": 0.2}
 NODES = ("node-1", "node-2")
 
 
-class RecordingSender:
-    """Stands in for EventSender: keeps every event the app submits; at ``close`` (the service's
-    shutdown) writes them as JSON lines to ``path``."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.events: list[dict[str, Any]] = []
-
-    @property
-    def pending(self) -> int:
-        return 0
-
-    def offer(self, event: dict[str, Any]) -> Refusal | None:
-        self.events.append(event)
-        return None
-
-    def submit(self, event: dict[str, Any]) -> bool:
-        return self.offer(event) is None
-
-    def close(self, timeout: float = 10.0) -> bool:
-        with open(self.path, "w") as f:
-            f.writelines(json.dumps(e) + "\n" for e in self.events)
-        return True
-
-
-def _serve(config: ClusterConfig, port: int, events_path: str, log_path: str) -> None:
+def _serve(config: ClusterConfig, port: int, log_path: str) -> None:
     """The service process: its stdout and stderr (uvicorn's and the app's log) go to a file."""
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(log, 1)
     os.dup2(log, 2)
-    sender = RecordingSender(events_path)
-    # serve_webhook needs only submit, pending and close of its sender.
-    serve_webhook(config, "127.0.0.1", port, sender)  # type: ignore[arg-type]
+    serve_webhook(config, "127.0.0.1", port)
 
 
 @dataclass
@@ -140,12 +113,13 @@ class LoadResult:
         return sum(n for status, n in self.statuses.items() if status >= 500)
 
 
-def _config(name: str, secret: str) -> ClusterConfig:
+def _config(name: str, secret: str, spool: Path) -> ClusterConfig:
     return ClusterConfig(  # type: ignore[call-arg]
         _env_file=None,
         name=name,
         nodes=[{"name": n, "address": f"127.0.0.{201 + i}"} for i, n in enumerate(NODES)],
         vllm={"image": "vrd-bench/none:1", "model": "/models/none"},
+        webhook={"spool_dir": str(spool)},
         secrets={"webhook_secret": secret},
     )
 
@@ -250,7 +224,8 @@ def run_load(
 ) -> LoadResult:
     """Start the service, drive it, stop it; what happened, with the events it emitted."""
     secret = secrets.token_hex(32)
-    config = _config(f"load{uuid.uuid4().hex[:6]}", secret)
+    tmp = tempfile.TemporaryDirectory(prefix="vrd-webhook-load-")
+    config = _config(f"load{uuid.uuid4().hex[:6]}", secret, Path(tmp.name) / "spool")
     rnd = random.Random(seed)  # noqa: S311 - made-up boot ids
     pairs = [
         (NODES[i % len(NODES)], str(uuid.UUID(int=rnd.getrandbits(128), version=4)))
@@ -259,12 +234,10 @@ def run_load(
     result = LoadResult(rate, duration_s, cluster=config.name)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory(prefix="vrd-webhook-load-") as tmp:
-        events_path, log_path = str(Path(tmp) / "events.jsonl"), str(Path(tmp) / "service.log")
+    with tmp:
+        log_path = str(Path(tmp.name) / "service.log")
         ctx = multiprocessing.get_context("spawn")
-        service = ctx.Process(
-            target=_serve, args=(config, port, events_path, log_path), name="webhook"
-        )
+        service = ctx.Process(target=_serve, args=(config, port, log_path), name="webhook")
         service.start()
         try:
             _wait_healthy(url, service, log_path)
@@ -283,13 +256,12 @@ def run_load(
             if service.is_alive():
                 service.kill()
                 service.join(5)
-        with contextlib.suppress(FileNotFoundError):
-            lines = Path(events_path).read_text().splitlines()
-            emitted = [json.loads(line) for line in lines]
-            # The nodes' events, one per accepted call; the cluster's own (every node back from
-            # its reboot, see deployments/reboot_rounds.py) apart.
-            result.events = [e for e in emitted if e["event"] == EVENT_REBOOTED]
-            result.cluster_events = [e for e in emitted if e["event"] != EVENT_REBOOTED]
+        spooled = (Path(tmp.name) / "spool" / config.name).glob("*.json")
+        emitted = [json.loads(path.read_bytes()) for path in spooled]
+        # The nodes' events, one per accepted boot; the cluster's own (every node back from
+        # its reboot, see deployments/reboot_rounds.py) apart.
+        result.events = [e for e in emitted if e["event"] == EVENT_REBOOTED]
+        result.cluster_events = [e for e in emitted if e["event"] != EVENT_REBOOTED]
         result.refusals_logged = Path(log_path).read_text().count("refused a call")
     return result
 
@@ -340,7 +312,8 @@ def report_lines(result: LoadResult) -> list[str]:
         "open loop)",
         "",
         "`serve_webhook` (uvicorn, access log on, as `vllm-redeploy webhook` runs) in its own "
-        "process on 127.0.0.1, a recording event sender in place of Prefect; one asyncio client "
+        "process on 127.0.0.1, each event kept in its spool (fsynced before the 202; nothing "
+        "forwards it during the run); one asyncio client "
         "process (httpx, keep-alive, idle connections closed after 2 s, up to 100 connections). "
         "Latency counts from each call's scheduled send time, so time a call waited behind others "
         "is included. This machine: "

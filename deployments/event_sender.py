@@ -7,24 +7,17 @@ server drops an event whose ``id`` it has already seen (the publisher deduplicat
 events table inserts with ON CONFLICT DO NOTHING), so the id is derived from the cluster, the node
 and its boot id: a notifier that retries the same boot produces one event.
 
-With a spool directory, each accepted event is also a file there (written atomically) until
-Prefect took it: a sender stopped before it could deliver (Prefect unreachable) leaves the files,
-and the next sender on that directory sends them first.
+The reboot webhook's events reach it from the spool (``deployments.spool``), handed over by the
+watcher's forwarder with ``adopt``: each file is removed once Prefect took its event.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
-import errno
-import hashlib
-import json
 import logging
-import os
 import queue
-import tempfile
 import threading
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,9 +71,8 @@ class EventSender:
     returns False when full. Connection errors, timeouts, 5xx, 408 and 429, and 401, 403 and 404
     (a wrong auth string or URL, which the operator can fix) are retried (backoff
     ``min_backoff_s`` doubling up to ``max_backoff_s``) until delivered or until ``close`` gives
-    up; other 4xx answers drop the batch with an error in the log (retrying cannot fix them).
-    With ``spool_dir``, ``submit`` keeps the event on disk first (False if it cannot) and the
-    file goes once Prefect answered; files an earlier sender left there are queued at start.
+    up; another 4xx sets aside the one event Prefect refuses, with an error in the log (retrying
+    cannot fix it). An adopted event's file goes once Prefect took it (``.bad`` if refused).
     """
 
     def __init__(
@@ -93,7 +85,6 @@ class EventSender:
         min_backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
         headers: dict[str, str] | None = None,
-        spool_dir: Path | str | None = None,
     ) -> None:
         default_url, auth = _prefect_api()
         url = api_url or default_url
@@ -109,13 +100,10 @@ class EventSender:
         self._min_backoff_s = min_backoff_s
         self._max_backoff_s = max_backoff_s
         self._max_queue = max_queue
-        # Each event with its spool file (None without a spool).
+        # Each event with its spool file (None for one submitted).
         self._queue: queue.Queue[tuple[dict[str, Any], Path | None]] = queue.Queue()
         self._lock = threading.Lock()
         self._pending = 0
-        self.spool = Path(spool_dir) if spool_dir is not None else None
-        if self.spool is not None:
-            self._queue_spooled(self.spool)
         self._closing = threading.Event()
         self._abort = threading.Event()
         self.sent = 0
@@ -131,8 +119,7 @@ class EventSender:
             return self._pending
 
     def submit(self, event: dict[str, Any]) -> bool:
-        """Queue ``event`` for delivery (in the spool first, if any); False (and nothing queued)
-        when full, closed, or the spool cannot take it."""
+        """Queue ``event`` for delivery; False (and nothing queued) when full or closing."""
         return self.offer(event) is None
 
     def offer(self, event: dict[str, Any]) -> Refusal | None:
@@ -143,18 +130,22 @@ class EventSender:
             if self._pending >= self._max_queue:
                 log.warning("event queue full (%d): dropped %s", self._max_queue, event["id"])
                 return Refusal("full", f"{self._max_queue} events are waiting for Prefect")
-            path = None
-            if self.spool is not None:
-                try:
-                    path = _write_atomically(self.spool, event)
-                except (OSError, TypeError, ValueError) as exc:
-                    log.error("cannot keep event %s in %s: %s", event["id"], self.spool, exc)
-                    disk = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
-                    why = exc.strerror if isinstance(exc, OSError) else str(exc)
-                    return Refusal("disk" if disk else "spool", f"{self.spool}: {why}")
-            self._queue.put((event, path))
+            self._queue.put((event, None))
             self._pending += 1
         return None
+
+    def adopt(self, event: dict[str, Any], path: Path) -> bool:
+        """Queue ``event``, kept on disk as ``path`` by another process (the webhook's spool):
+        removed once Prefect took it, set aside as ``.bad`` if Prefect refuses it. False (nothing
+        queued) when full or closing: the file stays for a later try."""
+        if self._closing.is_set():
+            return False
+        with self._lock:
+            if self._pending >= self._max_queue:
+                return False
+            self._queue.put((event, path))
+            self._pending += 1
+        return True
 
     def close(self, timeout: float = 10.0) -> bool:
         """Deliver what is queued, for up to ``timeout`` s; True when nothing is left."""
@@ -164,38 +155,10 @@ class EventSender:
             self._abort.set()
             self._thread.join(self._timeout_s + 1)
         left = self.pending
-        if left and self.spool is not None:
-            log.warning(
-                "%d event(s) not delivered to %s yet (%s): kept in %s, sent at the next start",
-                left,
-                self.api_url,
-                self.last_error,
-                self.spool,
-            )
-        elif left:
-            log.error("%d event(s) not delivered to %s: %s", left, self.api_url, self.last_error)
+        if left:
+            log.warning("%d event(s) not delivered to %s yet: %s", left, self.api_url,
+                        self.last_error)  # fmt: skip
         return left == 0
-
-    def _queue_spooled(self, spool: Path) -> None:
-        """Queue the events an earlier sender left in ``spool`` (oldest first)."""
-        spool.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for stale in spool.glob(".*.tmp"):  # a write cut short: its event was never accepted
-            stale.unlink(missing_ok=True)
-        files = sorted(spool.glob("*.json"), key=lambda p: (p.stat().st_mtime_ns, p.name))
-        for path in files:
-            try:
-                event = json.loads(path.read_bytes())
-                if not isinstance(event, dict) or not isinstance(event.get("id"), str):
-                    raise ValueError("not an event")
-            except (OSError, ValueError) as exc:
-                log.error("%s is not a readable event (%s): set aside as .bad", path, exc)
-                with contextlib.suppress(OSError):
-                    path.rename(path.with_suffix(".bad"))
-                continue
-            self._queue.put((event, path))
-            self._pending += 1
-        if self._pending:
-            log.info("%d event(s) left in %s by an earlier run: sending them", self._pending, spool)
 
     # --- the sending thread ---------------------------------------------------------------------
 
@@ -270,34 +233,3 @@ class EventSender:
                 self.dropped += len(batch)
         if delivered:
             self.last_error = None
-
-
-def _write_atomically(spool: Path, event: dict[str, Any]) -> Path:
-    """``event`` as ``spool/ID.json``, whole or not at all, and on disk before this returns."""
-    path = spool / f"{_file_name(event['id'])}.json"
-    data = json.dumps(event).encode()
-    fd, tmp = tempfile.mkstemp(dir=spool, prefix=".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    directory = os.open(spool, os.O_RDONLY)
-    try:
-        os.fsync(directory)  # the rename itself survives a power cut
-    finally:
-        os.close(directory)
-    return path
-
-
-def _file_name(event_id: str) -> str:
-    """A file name for an event id: the id when it is a UUID (all of ours), else its digest."""
-    try:
-        return str(uuid.UUID(event_id))
-    except ValueError:
-        return hashlib.sha256(event_id.encode()).hexdigest()

@@ -6,7 +6,9 @@ Below ``prefix`` (default /), as root:
   missing. The Prefect server, ``serve`` and the watcher run as the first; its home
   /var/lib/vllm-redeploy is their state directory (systemd makes it: ``StateDirectory=``), where
   the SSH key and known_hosts go. The webhook, the one service the network reaches, runs as the
-  second, with a state directory of its own (/var/lib/vllm-redeploy-webhook);
+  second, and holds no Prefect credential: it keeps each accepted notice in
+  /var/lib/vllm-redeploy-spool (the webhook's user and the services' group, 2770), which the
+  cluster's watcher reads and posts;
 - the unit files of ``deployments/systemd`` in /etc/systemd/system, their ExecStart= pointing at
   ``bin_dir`` (default: this installation's);
 - /etc/vllm-redeploy/prefect.env, the Prefect server's settings, with a new API auth string;
@@ -15,8 +17,8 @@ Below ``prefix`` (default /), as root:
   operator's ``vllm-redeploy run``) reads;
 - each narrower service's part of those two, derived from them on every run: the watcher's
   <cluster>.watch.toml and .watch.env (everything but the ``[secrets]``: no HF token, no webhook
-  secret) and the webhook's <cluster>.webhook.toml and .webhook.env (the Prefect API settings and
-  the webhook secret only; no SSH key, passphrase or HF token). The loader reads the env file
+  secret) and the webhook's <cluster>.webhook.toml and .webhook.env (its secret and its settings
+  only; no Prefect credential, SSH key, passphrase or HF token). The loader reads the env file
   beside a TOML, so each service, started with its own TOML, reads its own env file only.
 
 Every file is root's, readable by its service's group only (0640), so no service can rewrite
@@ -48,9 +50,13 @@ from vllm_redeploy.config.toml_text import toml_document
 
 SERVICE_USER = service_ssh.SERVICE_USER
 STATE_DIR = service_ssh.HOME
-# The webhook's own user and state directory (its spool of accepted notices goes there).
+# The webhook's own user; its home is never made (it keeps nothing but the spool).
 WEBHOOK_USER = "vllm-redeploy-webhook"
 WEBHOOK_STATE_DIR = "/var/lib/vllm-redeploy-webhook"
+# Where the webhook keeps accepted notices and the watchers take them from (the units name it).
+SPOOL_DIR = "/var/lib/vllm-redeploy-spool"
+SPOOL_MODE = 0o2770  # the webhook writes, the services' group reads and removes; new files and
+# directories get that group (setgid)
 UNIT_DIR = "etc/systemd/system"
 CONF_DIR = "etc/vllm-redeploy"
 SOURCE_DIR = Path(__file__).resolve().parent / "systemd"
@@ -61,9 +67,9 @@ AUTH_SERVER = "PREFECT_SERVER_API_AUTH_STRING"
 AUTH_CLIENT = "PREFECT_API_AUTH_STRING"
 WEBHOOK_SECRET_ENV = "VLLM_REDEPLOY_SECRETS__WEBHOOK_SECRET"  # noqa: S105 - a variable name
 SECRETS_PREFIX = "VLLM_REDEPLOY_SECRETS"  # the [secrets] table, key by key or as JSON
-# What the webhook's env file keeps of the cluster's: the Prefect client's API settings (URL,
-# auth string, TLS), its shared secret and its own settings.
-WEBHOOK_ENV_PREFIXES = ("PREFECT_API_", WEBHOOK_SECRET_ENV, "VLLM_REDEPLOY_WEBHOOK__")
+# What the webhook's env file keeps of the cluster's: its shared secret and its own settings,
+# never Prefect's API settings (the auth string is Prefect's whole admin credential).
+WEBHOOK_ENV_PREFIXES = (WEBHOOK_SECRET_ENV, "VLLM_REDEPLOY_WEBHOOK__")
 # The [secrets] each narrower service uses (an allow-list: a new secret reaches neither until
 # it is named here). The watcher's looks and generations send vLLM's API key.
 SERVICE_SECRETS = {"watch": ("vllm_api_key",), "webhook": ("webhook_secret",)}
@@ -140,7 +146,7 @@ def cluster_env(cluster: str, auth: str | None) -> str:
             "# Written once by `vllm-redeploy install-controller`, yours from then on; mode 0640,",
             "# root:vllm-redeploy. After an edit run install-controller again: it gives the",
             f"# watcher ({cluster}.watch.env: all but the [secrets]) and the webhook",
-            f"# ({cluster}.webhook.env: PREFECT_API_* and the webhook secret) their part.",
+            f"# ({cluster}.webhook.env: the webhook secret alone, no Prefect credential) theirs.",
             "# The Prefect API (default: this machine's) and its auth string:",
             "#PREFECT_API_URL=http://127.0.0.1:4200/api",
             auth_line,
@@ -157,7 +163,7 @@ def cluster_env(cluster: str, auth: str | None) -> str:
 def derived_env(text: str, service: Literal["watch", "webhook"]) -> str:
     """The lines of the cluster's env file ``text`` that ``service`` gets, as they are written
     there: the watcher all but the ``[secrets]`` it does not use (the HF token, the webhook
-    secret), the webhook only the Prefect API settings, its secret and its settings."""
+    secret), the webhook only its secret and its settings."""
     own = tuple(f"{SECRETS_PREFIX}__{name}".upper() for name in SERVICE_SECRETS["watch"])
     kept = []
     for raw in text.splitlines():
@@ -317,6 +323,7 @@ def install_controller(
             raise InstallError(f"user {user} is not in {root / 'etc/passwd'} after useradd")
         groups[user] = ids[1]
     lines += service_ssh.make_dir(root, *(_ids(root) or (0, 0)))
+    lines += _spool_dir(root, _ids(root, WEBHOOK_USER) or (0, 0), groups[SERVICE_USER])
     wanted = [
         Wanted(name, root / UNIT_DIR / name, text.encode(), 0o644, "root")
         for name, text in unit_files(bin_dir).items()
@@ -377,6 +384,26 @@ def _hidden_from_units(bin_dir: str | None) -> str | None:
                 f"{INSTALL_RECIPE}"
             )
     return None
+
+
+def _spool_dir(root: Path, webhook: tuple[int, int], group: int) -> list[str]:
+    """The spool's base: the webhook's, the services' group's, 2770."""
+    path = root / SPOOL_DIR.lstrip("/")
+    how = "unchanged"
+    if not path.is_dir():
+        path.mkdir(parents=True)
+        how = "made"
+    stat = path.stat()
+    if (stat.st_uid, stat.st_gid, stat.st_mode & 0o7777) != (webhook[0], group, SPOOL_MODE):
+        os.chown(path, webhook[0], group)
+        path.chmod(SPOOL_MODE)
+        how = "made" if how == "made" else "repaired"
+    if how == "unchanged":
+        return [f"{SPOOL_DIR}: unchanged"]
+    return [
+        f"{SPOOL_DIR}: {how} ({SPOOL_MODE:04o}, {WEBHOOK_USER}:{SERVICE_USER}: the webhook keeps "
+        "accepted notices there, the watcher posts them)"
+    ]
 
 
 def _warnings(root: Path, bin_dir: str) -> list[str]:

@@ -15,6 +15,9 @@ so a restarted watcher picks up where the last one was: it reports a cluster aga
 backoff since the last recovery (``backoff_s``, then 4 times more), and past ``max_recoveries``
 in ``window_s`` it marks the cluster crash-looping and posts ``vllm.cluster.crashloop`` once
 instead.
+
+It also posts the reboots the webhook keeps in its spool (``deployments.forwarder``): the
+webhook, which the network reaches, holds no Prefect credential.
 """
 
 from __future__ import annotations
@@ -47,8 +50,10 @@ from prefect.events.filters import (
 )
 
 from deployments.event_sender import EventSender
+from deployments.forwarder import Forwarder
 from deployments.metrics import LookFacts, RunFacts, WatchMetrics, nodes_up, reasons_of
 from deployments.now_artifact import NowArtifact, now_markdown
+from deployments.spool import spool_of
 from tasks.standing.lock import holder
 from tasks.standing.marks import BEAT_S, beat_watcher, read_standing
 from tasks.standing.recoveries import declare_crashloop, pace, read_recover_runs
@@ -274,6 +279,13 @@ def watch_clusters(
             target=_loop,
             args=(ClusterWatcher(c, sender, metrics=metrics, now=NowArtifact(c.name)), stop),
             name=c.name,
+        )
+        for c in configs
+    ]
+    # The reboots the webhook accepted: it holds no Prefect credential, so they go from here.
+    threads += [
+        threading.Thread(
+            target=Forwarder(c, spool_of(c), sender.adopt).run, args=(stop,), name=f"{c.name}-spool"
         )
         for c in configs
     ]

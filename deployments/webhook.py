@@ -2,8 +2,10 @@
 
 Prefect's own webhooks exist only in Prefect Cloud; this small service stands in for them with a
 self-hosted server. ``POST /reboot`` takes ``{"node", "boot_id", "uptime_s"}`` signed with the
-shared secret (see ``sign``), hands a ``vllm.node.rebooted`` event to an ``EventSender`` and
-answers 202 at once: it never waits for Prefect, let alone for the flow run the event triggers.
+shared secret (see ``sign``), keeps a ``vllm.node.rebooted`` event in its spool
+(``deployments.spool``) and answers 202 at once. It holds no Prefect credential: the cluster's
+watcher posts what the spool holds (``deployments.forwarder``), so a flaw in the one service the
+network reaches gives at most a reboot of this cluster to report.
 Once every node of the cluster has reported (or ``reboot_delay_s`` after the first did), it hands
 one ``vllm.cluster.rebooted`` on too (``reboot_rounds``): the after-reboot run starts on that.
 
@@ -24,10 +26,8 @@ import hashlib
 import hmac
 import logging
 import os
-import pwd
 import re
 import resource
-import shlex
 import signal
 import threading
 import time
@@ -46,8 +46,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from deployments.event_sender import EventSender, Refusal, reboot_event, reboot_event_id
+from deployments.event_sender import Refusal, reboot_event, reboot_event_id
 from deployments.reboot_rounds import RebootRounds
+from deployments.spool import Spool, spool_base, spool_problem
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.names import webhook_path
 from vllm_redeploy.safe_text import one_line, shown
@@ -75,7 +76,7 @@ NO_SECRET = (
 
 
 class Sender(Protocol):
-    """What the app needs from an event sender (``EventSender`` or a test double)."""
+    """What the app needs from where events go (the ``Spool``, an ``EventSender``, a double)."""
 
     @property
     def pending(self) -> int: ...
@@ -108,7 +109,7 @@ class Problem(BaseModel):
 
 class Health(BaseModel):
     status: str = "ok"
-    pending_events: int = Field(description="Events accepted and not yet delivered to Prefect.")
+    pending_events: int = Field(description="Events accepted and not yet posted to Prefect.")
 
 
 def sign(secret: str, timestamp: int | str, body: bytes) -> str:
@@ -294,7 +295,7 @@ def _add_reboot_route(
             if refused.kind == "spool":
                 why = f"the webhook cannot keep the notice: {refused.words}"
                 return refuse(503, f"{why}; retry later", {"Retry-After": "30"})
-            return refuse(503, "event queue full; retry later", {"Retry-After": "30"})
+            return refuse(503, f"{refused.words}; retry later", {"Retry-After": "30"})
         boots.add(notice.node, boot)  # no await since the check above: no other call between
         log.info(
             "%s rebooted (boot %s, up %.0f s): event %s queued",
@@ -574,13 +575,14 @@ def serve_webhook(
     clusters: ClusterConfig | Sequence[ClusterConfig],
     host: str | None = None,
     port: int | None = None,
-    sender: EventSender | None = None,
+    sender: Sender | None = None,
 ) -> None:
-    """Run the webhook of one or several clusters in the foreground (until Ctrl-C), delivering
-    events to PREFECT_API_URL; it binds ``host``/``port``, else the clusters' webhook.host/port.
+    """Run the webhook of one or several clusters in the foreground (until Ctrl-C), keeping
+    events in their spool (``sender`` instead, for benches); it binds ``host``/``port``, else
+    the clusters' webhook.host/port.
 
-    Raises ValueError (before binding anything) without a usable secret or PREFECT_API_URL, or
-    when the clusters name different binds and no ``host``/``port`` settles it.
+    Raises ValueError (before binding anything) without a usable secret or spool, or when the
+    clusters name different binds and no ``host``/``port`` settles it.
     """
     configs = [clusters] if isinstance(clusters, ClusterConfig) else list(clusters)
     for config in configs:
@@ -591,29 +593,27 @@ def serve_webhook(
         if why := config.webhook.unreachable(host):
             log.warning("%s: %s", config.name, why)
     limits = fit_open_files(connection_limits(configs), raise_soft_limit=True)
-    spool = None  # where the reboot rounds are kept: beside the spool of a sender made here
+    base = spool_base(configs)
+    if problem := spool_problem(base):
+        raise ValueError(problem)
     if sender is None:
-        spool = spool_directory(configs)
-        if problem := spool_problem(spool):
-            raise ValueError(problem)
         try:
-            sender = EventSender(spool_dir=spool)
+            sender = Spool(base, [c.name for c in configs])
         except OSError as exc:
             raise ValueError(
-                f"cannot keep accepted notices in {spool} ({exc}): set webhook.spool_dir to a "
-                "directory this service may write"
+                f"cannot keep accepted notices in {base} ({exc.strerror}): set "
+                "webhook.spool_dir to a directory this service may write"
             ) from None
     # After its graceful shutdown uvicorn raises the signal again with the previous handler in
-    # place; for SIGTERM (systemctl stop) the default one ends the process at once, before the
-    # `finally` below hands Prefect the events still queued (already answered 202, so no node
-    # retries them). A handler that exits normally lets the `finally` run.
+    # place; for SIGTERM (systemctl stop) the default one would end the process by the signal.
+    # What was answered 202 is on disk already: a handler that exits normally says "stopped".
     previous = (
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
         if threading.current_thread() is threading.main_thread()
         else None
     )
     try:
-        app = create_app(configs, sender, spool)
+        app = create_app(configs, sender, base)
         config = _uvicorn_config(
             app,
             limits,
@@ -633,7 +633,6 @@ def serve_webhook(
         )
         uvicorn.Server(config).run()
     finally:
-        sender.close(timeout=10)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
@@ -645,50 +644,6 @@ def connection_limits(configs: Sequence[ClusterConfig]) -> ConnectionLimits:
         body_timeout_s=_one_setting(configs, "body_timeout_s", lambda w: w.body_timeout_s),
         max_connections=_one_setting(configs, "max_connections", lambda w: w.max_connections),
     )
-
-
-def spool_directory(configs: Sequence[ClusterConfig]) -> Path:
-    """Where the webhook of ``configs`` keeps accepted notices until Prefect has them:
-    webhook.spool_dir, else webhook-spool/NAME[+NAME...] under the service's state directory
-    (systemd's $STATE_DIRECTORY, else $XDG_STATE_HOME/vllm-redeploy or
-    ~/.local/state/vllm-redeploy), one per set of clusters, so that webhook@a and webhook@b
-    (which share the unit's StateDirectory) never send each other's."""
-    explicit = _one_setting(configs, "spool_dir", lambda w: w.spool_dir)
-    if explicit is not None:
-        return Path(explicit)
-    state = os.environ.get("STATE_DIRECTORY", "").split(":")[0]
-    if state:
-        base = Path(state)
-    else:
-        xdg = os.environ.get("XDG_STATE_HOME")
-        base = (Path(xdg) if xdg else Path.home() / ".local" / "state") / "vllm-redeploy"
-    return base / "webhook-spool" / "+".join(sorted(c.name for c in configs))
-
-
-def spool_problem(spool: Path) -> str | None:
-    """Why ``spool`` must not be used: every file there is posted to Prefect with this
-    service's credential, so only this service's user may write there (owner, mode 0700)."""
-    try:
-        found = spool.stat()
-    except FileNotFoundError:
-        return None  # made with mode 0700 at the start
-    except OSError as exc:
-        return f"cannot read the spool directory {spool}: {exc.strerror}"
-    user = pwd.getpwuid(os.geteuid()).pw_name
-    fix = f"chown {user} {shlex.quote(str(spool))} && chmod 700 {shlex.quote(str(spool))}"
-    if found.st_uid != os.geteuid():
-        return (
-            f"the spool directory {spool} belongs to UID {found.st_uid}, not to this service's "
-            f"user {user}: whoever owns it could plant events that the webhook posts to Prefect "
-            f"with its credential. Run `{fix}`, or set webhook.spool_dir to a directory of {user}"
-        )
-    if found.st_mode & 0o077:
-        return (
-            f"the spool directory {spool} has mode {found.st_mode & 0o777:04o}: other users "
-            f"could read or plant events that the webhook posts to Prefect with its credential. "
-            f"Run `{fix}`"
-        )
-    return None
 
 
 def _one_setting(

@@ -27,6 +27,7 @@ import pytest
 from deployments.install_controller import (
     AUTH_CLIENT,
     SERVICE_USER,
+    SPOOL_DIR,
     STATE_DIR,
     WEBHOOK_STATE_DIR,
 )
@@ -107,7 +108,7 @@ def day() -> Iterator[Day]:
     work.chmod(0o755)  # the login reads the checkout
     try:
         controller = bed.node("node-1")
-        for path in (OPT, STATE_DIR, WEBHOOK_STATE_DIR):
+        for path in (OPT, STATE_DIR, WEBHOOK_STATE_DIR, SPOOL_DIR):
             controller.own_dir(Path(path))
             controller.run(["chown", "root:root", path])
         config = load_config(bed.config_path, env_file=None)  # the bed's own way in: SSH
@@ -197,6 +198,9 @@ def test_the_first_run_by_hand_serves_then_the_services_and_the_notifiers_take_o
     served = shell([*VRD, "run", "-c", CLUSTER], timeout=600)
     assert "probe" in served.stdout.lower(), served.stdout
     units = [f"vllm-redeploy-{kind}@{CLUSTER}" for kind in ("serve", "webhook", "watch")]
+    # The bed's systemctl runs every service as root: the spool is root's, as it is the
+    # webhook user's where systemd gives the webhook that user (the webhook refuses another's).
+    day.controller.run(["chown", "root", SPOOL_DIR])
     shell([*SUDO, "systemctl", "start", *units])
     for unit in units:
         assert day.controller.systemctl("is-active", unit).stdout == "active\n", unit

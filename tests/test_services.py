@@ -36,6 +36,7 @@ from deployments.install_controller import (
     PREFECT_UNIT,
     SERVICE_USER,
     SOURCE_DIR,
+    SPOOL_DIR,
     STATE_DIR,
     WEBHOOK_USER,
     InstallError,
@@ -90,19 +91,29 @@ def test_the_units_pass_systemd_analyze_and_keep_their_sandbox(tmp_path: Path) -
         (tmp_path / name).write_text(text)
         rendered.append(tmp_path / name)
         service = parse_ini(text)["Service"]
-        # The webhook, which the network reaches, has a user and a state directory of its own.
-        user = WEBHOOK_USER if name.startswith("vllm-redeploy-webhook@") else SERVICE_USER
+        # The webhook, which the network reaches, has a user of its own and nothing of
+        # Prefect's: it writes the spool alone, which the watcher reads and posts.
+        webhook = name.startswith("vllm-redeploy-webhook@")
+        user = WEBHOOK_USER if webhook else SERVICE_USER
         assert service["User"] == [user] and service["Restart"] == ["on-failure"]
         assert service["ExecStart"][0].startswith(f"{BIN}/")
         assert any(f.startswith("/etc/vllm-redeploy/") for f in service["EnvironmentFile"])
-        assert f"PREFECT_HOME=/var/lib/{user}/prefect" in service["Environment"]
+        spool = [f"VLLM_REDEPLOY_WEBHOOK__SPOOL_DIR={SPOOL_DIR}"]
+        if webhook:
+            assert service["Environment"] == spool
+            assert service["ReadWritePaths"] == [SPOOL_DIR] and "StateDirectory" not in service
+        else:
+            assert f"PREFECT_HOME=/var/lib/{user}/prefect" in service["Environment"]
+            assert service["StateDirectory"] == [user]
+            assert service["StateDirectoryMode"] == ["0700"]
+        if name.startswith("vllm-redeploy-watch@"):
+            assert set(spool) <= set(service["Environment"])
+            assert service["ReadWritePaths"] == [SPOOL_DIR]
         for key, value in {
             "NoNewPrivileges": "yes",
             "ProtectSystem": "strict",
             "ProtectHome": "yes",
             "PrivateTmp": "yes",
-            "StateDirectory": user,
-            "StateDirectoryMode": "0700",
             "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6",
             "CapabilityBoundingSet": None,  # empty: no capabilities at all
         }.items():
@@ -255,6 +266,8 @@ def test_install_controller_twice_changes_nothing(tmp_path: Path) -> None:
         f"user {WEBHOOK_USER}: created (system user, home /var/lib/vllm-redeploy-webhook)",
         "/var/lib/vllm-redeploy/.ssh: made (0700, vllm-redeploy's: the services' SSH key and "
         "known_hosts)",
+        f"{SPOOL_DIR}: made (2770, {WEBHOOK_USER}:{SERVICE_USER}: the webhook keeps accepted "
+        "notices there, the watcher posts them)",
         *(f"{unit}: written (new)" for unit in UNITS),
         "prefect.env: written (new)",
         f"{cluster}.env: written (new)",
@@ -270,6 +283,7 @@ def test_install_controller_twice_changes_nothing(tmp_path: Path) -> None:
         f"user {SERVICE_USER}: unchanged",
         f"user {WEBHOOK_USER}: unchanged",
         "/var/lib/vllm-redeploy/.ssh: unchanged",
+        f"{SPOOL_DIR}: unchanged",
         *(f"{unit}: unchanged" for unit in UNITS),
         "prefect.env: unchanged",
         f"{cluster}.env: unchanged",
@@ -305,8 +319,9 @@ def test_install_controller_twice_changes_nothing(tmp_path: Path) -> None:
     }
     server_auth = read_env(conf / "prefect.env")[AUTH_SERVER]
     assert len(server_auth) > 40 and read_env(conf / f"{cluster}.env")[AUTH_CLIENT] == server_auth
-    for service in ("watch", "webhook"):  # each service talks to the API with the same string
-        assert read_env(conf / f"{cluster}.{service}.env")[AUTH_CLIENT] == server_auth
+    # The watcher talks to the API with the same string; the webhook never gets it.
+    assert read_env(conf / f"{cluster}.watch.env")[AUTH_CLIENT] == server_auth
+    assert AUTH_CLIENT not in read_env(conf / f"{cluster}.webhook.env")
     assert (conf / f"{cluster}.toml").read_bytes() == EXAMPLE.read_bytes()
     # The real systemctl (offline, --root) enabled them from their [Install] sections.
     wants = root / "etc/systemd/system/multi-user.target.wants"
@@ -439,7 +454,7 @@ def installed() -> Iterator[Installed]:
         shutil.rmtree(root)
 
 
-def test_the_webhook_runs_as_its_own_user_with_only_its_secret_and_the_prefect_settings(
+def test_the_webhook_runs_as_its_own_user_with_only_its_secret_and_no_prefect_credential(
     installed: Installed,
 ) -> None:
     serve, webhook = installed.service("serve"), installed.service("webhook")
@@ -449,14 +464,8 @@ def test_the_webhook_runs_as_its_own_user_with_only_its_secret_and_the_prefect_s
     [env_file] = webhook["EnvironmentFile"]
     env = read_env(installed.host_path(env_file))
     given = {a.split("=", 1)[0] for a in webhook["Environment"]} | set(env)
-    assert given == {
-        "PREFECT_HOME",
-        "PREFECT_SERVER_ANALYTICS_ENABLED",
-        "PREFECT_API_URL",
-        AUTH_CLIENT,
-        SECRET_ENV,
-    }
-    assert env[SECRET_ENV] == WEBHOOK_SECRET and env[AUTH_CLIENT].startswith(f"{SERVICE_USER}:")
+    assert given == {"VLLM_REDEPLOY_WEBHOOK__SPOOL_DIR", SECRET_ENV}  # no PREFECT_API_*
+    assert env[SECRET_ENV] == WEBHOOK_SECRET
     # Its configuration: the cluster's, without the SSH key, its passphrase or the HF token;
     # the env file beside it is its own, which the loader reads.
     argv = webhook["ExecStart"][0].split()
@@ -479,7 +488,15 @@ def test_the_webhook_runs_as_its_own_user_with_only_its_secret_and_the_prefect_s
     assert webhook["TemporaryFileSystem"] == ["/etc/vllm-redeploy:ro"]
     assert webhook["BindReadOnlyPaths"] == [f"{config_file} {env_file}"]
     assert webhook["InaccessiblePaths"] == ["-/var/lib/vllm-redeploy"]
-    assert webhook["StateDirectory"] == [WEBHOOK_USER] != serve["StateDirectory"]
+    # What it writes: the spool alone, its user's and the watchers' group's (setgid: its files
+    # get that group), which the watcher reads and empties.
+    assert webhook["ReadWritePaths"] == [SPOOL_DIR] and webhook["UMask"] == ["0007"]
+    spool = installed.host_path(SPOOL_DIR).stat()
+    assert (spool.st_uid, spool.st_gid) == (
+        installed.ids[WEBHOOK_USER][0],
+        installed.ids[SERVICE_USER][1],
+    )
+    assert spool.st_mode & 0o7777 == 0o2770
     # And without the namespace, the file modes: its user opens its two files, nothing else.
     conf = installed.conf
     readable = {p for p in conf.iterdir() if installed.readable_by(WEBHOOK_USER, p)}
@@ -664,8 +681,9 @@ def controller(bed: TestBed, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     )
     node = bed.node(NODE)
     _remove_controller(node)
-    node.own_dir(Path(STATE_DIR))  # the bed's /var is the host's
-    node.run(["chown", "root:root", STATE_DIR])
+    for own in (STATE_DIR, SPOOL_DIR):  # the bed's /var is the host's
+        node.own_dir(Path(own))
+        node.run(["chown", "root:root", own])
     # The operator's own way in: the bed's key, for the first run of the install only.
     config = load_config(bed.write_config(work / "operator.toml"), env_file=None)
     runner = runner_for(config.nodes[0], config)
@@ -690,8 +708,11 @@ def controller(bed: TestBed, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             # their part of it.
             runner.run(_install_command(cluster_toml), timeout=120)
             # The bed's /var is the host's: the services keep their state in the test's directory.
+            # Its processes run as root (the stand-in's), so the webhook and the watcher share
+            # a spool of root's: the installed one is the webhook user's, which root's refuses.
             state = f"[Service]\nEnvironment=PREFECT_HOME={work}/prefect\n"
             state += f"Environment=PREFECT_UI_STATIC_DIRECTORY={work}/ui\n"
+            state += f"Environment=VLLM_REDEPLOY_WEBHOOK__SPOOL_DIR={work}/spool\n"
             for unit in UNITS:
                 node.write_file(f"/etc/systemd/system/{unit}.d/bed.conf", state)
             auth = read_env_on(node, "/etc/vllm-redeploy/prefect.env")[AUTH_SERVER]
@@ -707,7 +728,8 @@ def controller(bed: TestBed, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             yield Controller(node, runner, cluster, cluster_toml, api, auth, hook, secret, install)
     finally:
         _remove_controller(node)
-        node.run(["find", STATE_DIR, "-mindepth", "1", "-delete"])  # the node's own, mounted
+        for own in (STATE_DIR, SPOOL_DIR):  # the node's own, mounted
+            node.run(["find", own, "-mindepth", "1", "-delete"])
 
 
 def give_services_ssh(bed: TestBed, node: EmulatedNode) -> None:
@@ -809,10 +831,12 @@ def test_the_serve_unit_registers_the_deployments_with_the_auth_string(
 
 
 @pytest.mark.integration
-def test_the_webhook_unit_answers_and_its_events_reach_prefect_with_the_auth_string(
+def test_the_webhook_unit_answers_and_the_watcher_posts_its_events_with_the_auth_string(
     controller: Controller,
 ) -> None:
-    with controller.running("webhook") as webhook:
+    """The webhook has no Prefect credential: what it accepts reaches Prefect through the
+    cluster's watcher, which has."""
+    with controller.running("watch"), controller.running("webhook") as webhook:
         controller.wait_for(
             webhook, lambda: answers(f"{controller.webhook}/healthz"), 60, "the webhook's unit"
         )
@@ -822,6 +846,27 @@ def test_the_webhook_unit_answers_and_its_events_reach_prefect_with_the_auth_str
         assert answer.status_code == 202, answer.text
         event_id = reboot_event_id(controller.cluster, NODE, boot_id)
         wait_until(lambda: event_id in _event_ids(controller), 30, "the reboot event in Prefect")
+
+
+@pytest.mark.integration
+def test_the_webhooks_env_file_alone_gets_nothing_from_prefect(controller: Controller) -> None:
+    """What the webhook's process is given cannot start a run nor read the lock's record."""
+    env = read_env_on(controller.node, f"/etc/vllm-redeploy/{controller.cluster}.webhook.env")
+    assert set(env) == {SECRET_ENV}  # no PREFECT_API_AUTH_STRING, no PREFECT_API_URL
+    # All a client with it could send: no Authorization header (Prefect's client adds one only
+    # from the auth string). The server the watcher and serve use refuses it.
+    lock = f"/variables/name/vllm_redeploy__{controller.cluster}__lock_holder"
+    for method, path, body in (
+        ("POST", "/flow_runs/", {"flow_id": str(uuid.uuid4())}),
+        ("GET", lock, None),
+        ("POST", "/events", []),
+    ):
+        answer = httpx.request(method, f"{controller.api}{path}", json=body, timeout=10)
+        assert answer.status_code == 401, (path, answer.status_code, answer.text[:200])
+    assert httpx.get(f"{controller.api}{lock}", headers=controller.headers).status_code in (
+        200,
+        404,
+    )  # the check can tell: with the auth string the same call is answered
 
 
 def _event_ids(controller: Controller) -> list[str]:
@@ -909,8 +954,9 @@ def test_compose_runs_the_controller_with_secrets_from_an_uncommitted_env_file()
         command = service.get("command", [])
         if "start" in command or "webhook" in command:  # a server: Docker watches its health
             assert "healthcheck" in service, name
-        # Ours: each talks to the API with its auth string, but the one that derives a file.
-        if "build" in service and name != "webhook-config":
+        # Ours: each talks to the API with its auth string, but the one that derives a file
+        # and the webhook, which the network reaches (the watcher posts what it keeps).
+        if "build" in service and name not in ("webhook-config", "webhook"):
             assert service["environment"]["PREFECT_API_AUTH_STRING"].startswith("${"), name
         for port in service.get("ports", []):
             assert port.split(":")[0] in ("127.0.0.1", "${WEBHOOK_ADDRESS"), port
@@ -953,7 +999,7 @@ def test_compose_gives_each_service_only_its_secrets_and_mounts(tmp_path: Path) 
         "deploy": {"PREFECT_AUTH_STRING", "VRD_CLUSTER"},
         "worker": {"PREFECT_AUTH_STRING", "HF_TOKEN", "SSH_KEY_PASSPHRASE", "VLLM_API_KEY"},
         "webhook-config": set(),
-        "webhook": {"PREFECT_AUTH_STRING", "WEBHOOK_SECRET"},
+        "webhook": {"WEBHOOK_SECRET"},
         "watcher": {"PREFECT_AUTH_STRING", "SSH_KEY_PASSPHRASE", "VLLM_API_KEY"},
     }
     config, derived_dir = "/etc/vllm-redeploy/cluster.toml", "/etc/vllm-redeploy-webhook"
@@ -962,23 +1008,19 @@ def test_compose_gives_each_service_only_its_secrets_and_mounts(tmp_path: Path) 
         "worker": {config, SSH_DIR},
         "webhook-config": {config, derived_dir},
         # The network reaches it: no SSH key in its container, not even the whole configuration
-        # (its derived view only); its spool in a named volume.
-        "webhook": {derived_dir, "/var/lib/vllm-redeploy-webhook"},
-        "watcher": {config, SSH_DIR},
+        # (its derived view only); its spool in a named volume, which the watcher posts from.
+        "webhook": {derived_dir, SPOOL_DIR},
+        "watcher": {config, SSH_DIR, SPOOL_DIR},
     }
     webhook = ours["webhook"]
-    assert set(webhook["environment"]) == {
-        "PREFECT_API_URL",
-        AUTH_CLIENT,
-        SECRET_ENV,
-        "STATE_DIRECTORY",
-    }
-    state = webhook["environment"]["STATE_DIRECTORY"]
-    assert f"webhook-state:{state}" in webhook["volumes"]  # outlives `up -d`
+    assert set(webhook["environment"]) == {"VLLM_REDEPLOY_WEBHOOK__SPOOL_DIR", SECRET_ENV}
+    for name in ("webhook", "watcher"):  # the same spool, in a volume that outlives `up -d`
+        assert ours[name]["environment"]["VLLM_REDEPLOY_WEBHOOK__SPOOL_DIR"] == SPOOL_DIR
+        assert f"webhook-state:{SPOOL_DIR}" in ours[name]["volumes"]
     assert f"webhook-config:{derived_dir}:ro" in webhook["volumes"]
     assert {"webhook-state", "webhook-config"} <= set(_compose()["volumes"])
     dockerfile = (REPO / "deployments/compose/Dockerfile").read_text()
-    assert f"-m 0700 {state}" in dockerfile and derived_dir in dockerfile
+    assert f"-m 0700 {SPOOL_DIR}" in dockerfile and derived_dir in dockerfile
     assert webhook["depends_on"]["webhook-config"]["condition"] == "service_completed_successfully"
     # The worker's runs use the mounted configuration only (a run naming another is refused).
     assert ours["worker"]["environment"]["VLLM_REDEPLOY_CONFIG"] == config

@@ -22,7 +22,7 @@ from deployments.event_sender import EventSender
 from deployments.webhook import SIGNATURE_HEADER, TIMESTAMP_HEADER, running_webhook
 from tests.conftest import keep_for_notes
 from tests.test_webhook import make_config, notice, signed, wait_for_event
-from tests.test_webhook_spool import webhook_process
+from tests.test_webhook_spool import forwarding, spool_base, webhook_process
 
 pytestmark = pytest.mark.integration
 
@@ -196,7 +196,11 @@ def test_150_idle_connections_under_128_open_files_block_no_notice_and_flood_no_
     warnings about it are counted, not repeated."""
     secret, cluster = secrets.token_hex(32), f"whfd{uuid.uuid4().hex[:8]}"
     log = tmp_path / "webhook.log"
-    with webhook_process(cluster, secret, prefect_api, log, tmp_path, open_files=128) as url:
+    config = make_config(cluster, secret, NODES)
+    with (
+        webhook_process(cluster, secret, log, tmp_path, open_files=128) as url,
+        forwarding(config, spool_base(tmp_path), prefect_api),
+    ):
         idle = [socket.create_connection(_address(url), timeout=10) for _ in range(150)]
         try:
             time.sleep(0.5)
@@ -206,7 +210,7 @@ def test_150_idle_connections_under_128_open_files_block_no_notice_and_flood_no_
         finally:
             for sock in idle:
                 sock.close()
-        for event_id in ids:  # the sender still had a file for its connection to Prefect
+        for event_id in ids:  # the spool still had a file for each, the watcher posted it
             wait_for_event(prefect_api, cluster, event_id)
     text = log.read_text(errors="replace")
     summary = (

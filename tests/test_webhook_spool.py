@@ -1,7 +1,7 @@
 """Accepted notices are neither repeated nor lost: a captured notice replayed many times is
-queued once, and what the webhook accepted while Prefect was unreachable survives its restart
-(`serve_webhook` in its own process, its spool in the default place under $STATE_DIRECTORY,
-then the session's Prefect server)."""
+queued once, and what the webhook accepted while nothing could post it survives its restart and
+is posted by the watcher's forwarder once Prefect answers (`serve_webhook` in its own process,
+with no Prefect setting at all, its spool in the default place under $XDG_STATE_HOME)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,10 +25,12 @@ import httpx
 import pytest
 
 from deployments.event_sender import EVENT_REBOOTED, EventSender, Refusal, reboot_event_id
+from deployments.forwarder import Forwarder
 from deployments.webhook import SECRET_ENV, running_webhook
 from tests.test_webhook import make_config, notice, prefect_events, signed, wait_for_event
 from tests.test_webhook_fuzz import stored_ids
 from tests.testbed.procs import free_port
+from vllm_redeploy.config import ClusterConfig
 
 pytestmark = pytest.mark.integration
 
@@ -47,20 +50,19 @@ serve_webhook(config, "127.0.0.1", port)
 def webhook_process(
     cluster: str,
     secret: str,
-    api: str,
     log: Path,
     state_dir: Path,
     open_files: int | None = None,
 ) -> Iterator[str]:
-    """`serve_webhook` of ``cluster`` in its own process, as `vllm-redeploy webhook` runs it
-    under systemd: PREFECT_API_URL ``api``, $STATE_DIRECTORY ``state_dir``, optionally under an
-    open-file limit (soft and hard); its output appended to ``log``. Stopped with SIGTERM."""
+    """`serve_webhook` of ``cluster`` in its own process, as `vllm-redeploy webhook` runs it:
+    no Prefect setting at all, $XDG_STATE_HOME ``state_dir`` (its spool under it), optionally
+    under an open-file limit (soft and hard); its output appended to ``log``. Stopped with
+    SIGTERM."""
     port = free_port("127.0.0.1")
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")},
         SECRET_ENV: secret,
-        "PREFECT_API_URL": api,
-        "STATE_DIRECTORY": str(state_dir),
+        "XDG_STATE_HOME": str(state_dir),
         "PYTHONPATH": str(ROOT),
     }
 
@@ -97,6 +99,27 @@ def webhook_process(
             proc.wait(5)
 
 
+def spool_base(state_dir: Path) -> Path:
+    """Where ``webhook_process`` keeps its spool: the default under $XDG_STATE_HOME."""
+    return state_dir / "vllm-redeploy" / "webhook-spool"
+
+
+@contextlib.contextmanager
+def forwarding(config: ClusterConfig, base: Path, api: str) -> Iterator[EventSender]:
+    """The watcher's part: the cluster's spool under ``base`` posted to ``api``."""
+    sender = EventSender(api, min_backoff_s=0.2, max_backoff_s=1.0)
+    stop = threading.Event()
+    forwarder = Forwarder(config, base / config.name, sender.adopt)
+    thread = threading.Thread(target=forwarder.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield sender
+    finally:
+        stop.set()
+        thread.join(10)
+        sender.close(timeout=10)
+
+
 class CountingSender(EventSender):
     """The real sender, counting what the app submits per event id."""
 
@@ -107,11 +130,6 @@ class CountingSender(EventSender):
     def offer(self, event: dict[str, Any]) -> Refusal | None:
         self.submitted[event["id"]] = self.submitted.get(event["id"], 0) + 1
         return super().offer(event)
-
-
-def events_in(spool: Path) -> list[Path]:
-    """The spool's files but the reboot round's state."""
-    return [p for p in spool.iterdir() if not p.name.startswith("round-")]
 
 
 async def replay(url: str, body: bytes, headers: dict[str, str], times: int) -> list[Any]:
@@ -155,30 +173,33 @@ def test_notices_accepted_while_prefect_is_down_survive_a_restart(
     prefect_api: str, tmp_path: Path
 ) -> None:
     secret, cluster = secrets.token_hex(32), f"whsp{uuid.uuid4().hex[:8]}"
+    config = make_config(cluster, secret, NODES, reboot_delay_s=3600)
     log = tmp_path / "webhook.log"
     down = f"http://127.0.0.1:{free_port('127.0.0.1')}/api"  # nothing listens there
-    spool = tmp_path / "webhook-spool" / cluster  # the default under $STATE_DIRECTORY
+    base = spool_base(tmp_path)
+    spool = base / cluster
     ids = []
-    with webhook_process(cluster, secret, down, log, tmp_path) as url:
+    with webhook_process(cluster, secret, log, tmp_path) as url, forwarding(config, base, down):
         for i in range(30):
             body, headers = signed(secret, notice(NODES[i % 2]))
             response = httpx.post(f"{url}/reboot", content=body, headers=headers, timeout=10)
             assert response.status_code == 202, response.text
             ids.append(response.json()["event_id"])
-    # Stopped (SIGTERM) with Prefect still unreachable: all 30 still on disk.
+        health = httpx.get(f"{url}/healthz", timeout=10).json()
+    assert health["pending_events"] == 30  # none posted: Prefect is away
+    # Both stopped with Prefect still unreachable: all 30 still on disk.
     assert sorted(p.stem for p in spool.glob("*.json")) == sorted(ids), log.read_text()[-3000:]
-    assert "30 event(s) not delivered" in log.read_text()
-    with webhook_process(cluster, secret, prefect_api, log, tmp_path):
+    with webhook_process(cluster, secret, log, tmp_path), forwarding(config, base, prefect_api):
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            if set(stored_ids(prefect_api, cluster)) == set(ids) and not events_in(spool):
+            if set(stored_ids(prefect_api, cluster)) == set(ids) and not list(spool.iterdir()):
                 break
             time.sleep(0.5)
     stored = stored_ids(prefect_api, cluster)
     assert sorted(stored) == sorted(ids), log.read_text()[-3000:]
-    assert events_in(spool) == []  # nothing left behind, no temporary file either
+    assert list(spool.iterdir()) == []  # nothing left behind, no temporary file either
     # Beside them, the reboot round (node-3 never reported): it outlives the restarts too.
-    (state,) = spool.glob("round-*.state")
+    (state,) = base.glob(f"round-{cluster}.state")
     assert json.loads(state.read_text())["round"].keys() == {"node-1", "node-2"}
     kinds = {e["event"] for e in prefect_events(prefect_api, cluster)}
     assert kinds == {EVENT_REBOOTED}

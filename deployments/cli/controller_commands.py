@@ -212,14 +212,15 @@ def webhook(
         int | None, typer.Option(metavar="PORT", help="Port (default webhook.port)")
     ] = None,
 ) -> None:
-    """Run the reboot webhook: signed calls from the nodes become Prefect events. With several
-    --config, one webhook serves each cluster at /clusters/NAME/reboot with its own secret."""
+    """Run the reboot webhook: signed calls from the nodes become reboots in its spool, which
+    each cluster's watcher posts to Prefect (the webhook holds no Prefect credential). With
+    several --config, one webhook serves each cluster at /clusters/NAME/reboot with its own
+    secret."""
     clusters = load_all_or_exit(config)
     from deployments.webhook import serve_webhook
 
     try:
-        with controller_or_exit(clusters, config, "webhook", check=False):
-            serve_webhook(clusters, host, port)
+        serve_webhook(clusters, host, port)
     except ValueError as exc:
         err.print(for_terminal(exc), markup=False, highlight=False)
         raise typer.Exit(EXIT_CONFIG) from None

@@ -233,10 +233,11 @@ class WebhookConfig(Section):
     )
     spool_dir: ModelPath | None = Field(
         None,
-        description="Where accepted notices wait, one file each, until Prefect has them (sent "
-        "again at start). Default: webhook-spool/CLUSTER under $STATE_DIRECTORY (systemd's "
-        "StateDirectory=), else under $XDG_STATE_HOME/vllm-redeploy or "
-        "~/.local/state/vllm-redeploy.",
+        description="Where accepted notices wait, one file each in a directory per cluster, "
+        "until the cluster's watcher has posted them to Prefect; the webhook and the watcher "
+        "must name the same one. Default: $XDG_STATE_HOME/vllm-redeploy/webhook-spool, else "
+        "~/.local/state/vllm-redeploy/webhook-spool (install-controller's units name "
+        "/var/lib/vllm-redeploy-spool).",
     )
 
 
