@@ -1,7 +1,8 @@
 """A reboot reported to the webhook, to the after-reboot flow run being Running, on a real server.
 
-`vllm-redeploy serve` serves the deployments; the webhook runs in this process and posts events
-to the same server. Each call carries a new boot id, so each is a new boot; the debounce window is
+`vllm-redeploy serve` serves the deployments; the webhook runs in this process and keeps events
+in its spool, which the watcher's forwarder (here on a thread) posts to the same server, as the
+services do. Each call carries a new boot id, so each is a new boot; the debounce window is
 1 s and the bench waits it out between rounds, so every round starts exactly one run. Two ways:
 one node reporting with ``reboot_delay_s = 0`` (the trigger path alone), and every node reporting
 with the default ``reboot_delay_s`` (the run starts once the last one has, not after the delay).
@@ -12,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -24,11 +27,13 @@ from bench.flowruns import stamp
 from bench.measure import write_config
 from bench.prefect_server import QUIET
 from deployments.event_sender import EventSender
+from deployments.forwarder import Forwarder
+from deployments.spool import Spool
 from deployments.webhook import SECRET_ENV, running_webhook
 from tests.test_deployments import call, deployments_by_name, runs_of
 from tests.testbed.bed import TestBed
 from tests.testbed.procs import spawn, stop
-from vllm_redeploy.config import WebhookConfig, load_config
+from vllm_redeploy.config import ClusterConfig, WebhookConfig, load_config
 
 BIN = Path(sys.executable).parent
 DEBOUNCE_S = 1.0
@@ -93,7 +98,6 @@ def webhook_to_running(api_url: str, bed: TestBed, env: dict[str, str], runs: in
     env = {**QUIET, "PREFECT_API_URL": api_url}
     argv = [str(BIN / "vllm-redeploy"), "serve", "--config", str(path)]
     proc = spawn(argv, log, env)
-    sender = EventSender(api_url)
     lags = RebootLags()
     try:
         with _secret(secret):
@@ -106,13 +110,30 @@ def webhook_to_running(api_url: str, bed: TestBed, env: dict[str, str], runs: in
         rounds = [(cluster, [bed.nodes[0].name], lags.one_node_s)]
         rounds.append((waiting, [n.name for n in bed.nodes], lags.all_nodes_s))
         for config, nodes, found in rounds:
-            with running_webhook(config, sender) as url:
+            with _spooled(config, api_url) as spool, running_webhook(config, spool) as url:
                 for _ in range(runs):
                     found.append(_one_round(api_url, deployment, url, nodes, secret, log))
     finally:
-        sender.close(timeout=10)
         stop(proc, grace=10)
     return lags
+
+
+@contextlib.contextmanager
+def _spooled(config: ClusterConfig, api_url: str) -> Iterator[Spool]:
+    """The webhook's spool, and the watcher's forwarder posting it to ``api_url``."""
+    sender = EventSender(api_url)
+    stopped = threading.Event()
+    with tempfile.TemporaryDirectory(prefix="vrd-bench-spool-") as base:
+        spool = Spool(Path(base), [config.name])
+        forwarder = Forwarder(config, Path(base) / config.name, sender.adopt)
+        thread = threading.Thread(target=forwarder.run, args=(stopped,), daemon=True)
+        thread.start()
+        try:
+            yield spool
+        finally:
+            stopped.set()
+            thread.join(10)
+            sender.close(timeout=10)
 
 
 def _one_round(
