@@ -190,7 +190,10 @@ def webhook(config: ClusterConfig) -> Finding:
             f"`sudo systemctl status vllm-redeploy-webhook@{config.name}`",
         )  # fmt: skip
     pending = answer.json().get("pending_events", 0)
-    return Finding("webhook", True, f"{url} answers ({pending} events waiting for Prefect)")
+    return Finding(
+        "webhook", True, f"{url} answers ({pending} notices its watcher has not posted to Prefect "
+        "yet: `vllm-redeploy watch` posts them)",
+    )  # fmt: skip
 
 
 def node(config: ClusterConfig, member: NodeConfig) -> list[Finding]:
