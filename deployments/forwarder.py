@@ -22,6 +22,8 @@ from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.events import (
     EVENT_CLUSTER_REBOOTED,
     EVENT_REBOOTED,
+    LABEL_NODE,
+    RESOURCE_LABEL_CLUSTER,
     cluster_rebooted_event,
     reboot_event,
 )
@@ -43,11 +45,11 @@ def rebuilt(config: ClusterConfig, event: Any) -> dict[str, Any]:
     name = event.get("event")
     resource = event.get("resource") if isinstance(event.get("resource"), dict) else {}
     payload = event.get("payload") if isinstance(event.get("payload"), dict) else {}
-    if resource.get("vllm-redeploy.cluster") != config.name:
+    if resource.get(RESOURCE_LABEL_CLUSTER) != config.name:
         raise NotAReboot(f"not an event of cluster {config.name}")
     nodes = {n.name for n in config.nodes}
     if name == EVENT_REBOOTED:
-        node = resource.get("vllm-redeploy.node")
+        node = resource.get(LABEL_NODE)
         if node not in nodes:
             raise NotAReboot(f"{str(node)[:64]!r} is not a node of {config.name}")
         uptime = payload.get("uptime_s")
