@@ -575,11 +575,9 @@ def serve_webhook(
     clusters: ClusterConfig | Sequence[ClusterConfig],
     host: str | None = None,
     port: int | None = None,
-    sender: Sender | None = None,
 ) -> None:
     """Run the webhook of one or several clusters in the foreground (until Ctrl-C), keeping
-    events in their spool (``sender`` instead, for benches); it binds ``host``/``port``, else
-    the clusters' webhook.host/port.
+    events in their spool; it binds ``host``/``port``, else the clusters' webhook.host/port.
 
     Raises ValueError (before binding anything) without a usable secret or spool, or when the
     clusters name different binds and no ``host``/``port`` settles it.
@@ -596,14 +594,13 @@ def serve_webhook(
     base = spool_base(configs)
     if problem := spool_problem(base):
         raise ValueError(problem)
-    if sender is None:
-        try:
-            sender = Spool(base, [c.name for c in configs])
-        except OSError as exc:
-            raise ValueError(
-                f"cannot keep accepted notices in {base} ({exc.strerror}): set "
-                "webhook.spool_dir to a directory this service may write"
-            ) from None
+    try:
+        spool = Spool(base, [c.name for c in configs])
+    except OSError as exc:
+        raise ValueError(
+            f"cannot keep accepted notices in {base} ({exc.strerror}): set "
+            "webhook.spool_dir to a directory this service may write"
+        ) from None
     # After its graceful shutdown uvicorn raises the signal again with the previous handler in
     # place; for SIGTERM (systemctl stop) the default one would end the process by the signal.
     # What was answered 202 is on disk already: a handler that exits normally says "stopped".
@@ -613,7 +610,7 @@ def serve_webhook(
         else None
     )
     try:
-        app = create_app(configs, sender, base)
+        app = create_app(configs, spool, base)
         config = _uvicorn_config(
             app,
             limits,

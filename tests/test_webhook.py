@@ -287,7 +287,7 @@ def test_healthz_and_no_docs_served(webhook: Webhook) -> None:
 def test_no_secret_no_service() -> None:
     config = make_config("nosecret", None)
     with pytest.raises(ValueError, match=SECRET_ENV):
-        serve_webhook(config, "127.0.0.1", 1)  # refuses before binding or reaching Prefect
+        serve_webhook(config, "127.0.0.1", 1)  # refuses before binding anything
     sender = EventSender("http://127.0.0.1:9/api")
     try:
         with pytest.raises(ValueError, match=SECRET_ENV):
