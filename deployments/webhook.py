@@ -621,6 +621,11 @@ def serve_webhook(
             timeout_graceful_shutdown=5,
         )
         log.info(
+            "accepted notices are kept in %s; the cluster's watcher (`vllm-redeploy watch`, "
+            "with the same webhook.spool_dir) posts them to Prefect",
+            base,
+        )
+        log.info(
             "at most %d connections at once (open-file limit %d); a request's headers due "
             "within %g s, its body within %g s",
             limits.max_connections,
