@@ -27,15 +27,20 @@ DEFAULT_ROOT = Path("/tmp/vrd-bed")
 # test's stand-in writes what the test reads (VRD_EVENT_LOG). Nothing else of the bed's root.
 EMULATED = ("gpu", "rdma", "observed")
 FIRST_IP = 11  # node-1 is 127.0.0.11, node-2 127.0.0.12, ...
-# Every 127.x.y.z is loopback: test sessions side by side each take their own 127.0.N.0/24:
-# pytest-xdist's workers (gw0, gw1, ...) 127.0.40, 127.0.41, ...; or VRD_TEST_NET=127.0.N
-# (several engineers' worktrees on one machine).
+# Every 127.x.y.z is loopback: beds that may run side by side each take their own 127.0.N.0/24:
+# pytest-xdist's workers (gw0, gw1, ...) 127.0.40, 127.0.41, ...; VRD_TEST_NET=127.0.M moves a
+# whole session (M, M+1, ... for its workers), e.g. a module run beside a full one, or several
+# engineers' worktrees on one machine.
 
 
 def _net() -> str:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    default = f"127.0.{40 + int(worker[2:])}" if worker[2:].isdigit() else "127.0.0"
-    return os.environ.get("VRD_TEST_NET") or default
+    index = int(worker[2:]) if worker[2:].isdigit() else None
+    chosen = os.environ.get("VRD_TEST_NET")
+    if chosen:
+        prefix, _, third = chosen.rpartition(".")
+        return f"{prefix}.{int(third) + (index or 0)}"
+    return f"127.0.{40 + index}" if index is not None else "127.0.0"
 
 
 NET = _net()
