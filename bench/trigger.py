@@ -14,7 +14,6 @@ import contextlib
 import os
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -26,11 +25,10 @@ from typing import Any, TypeVar
 from bench.flowruns import stamp
 from bench.measure import write_config
 from bench.prefect_server import QUIET
-from deployments.event_sender import EventSender
-from deployments.forwarder import Forwarder
 from deployments.spool import Spool
 from deployments.webhook import SECRET_ENV, running_webhook
 from tests.test_deployments import call, deployments_by_name, runs_of
+from tests.test_webhook_spool import forwarding
 from tests.testbed.bed import TestBed
 from tests.testbed.procs import spawn, stop
 from vllm_redeploy.config import ClusterConfig, WebhookConfig, load_config
@@ -121,19 +119,10 @@ def webhook_to_running(api_url: str, bed: TestBed, env: dict[str, str], runs: in
 @contextlib.contextmanager
 def _spooled(config: ClusterConfig, api_url: str) -> Iterator[Spool]:
     """The webhook's spool, and the watcher's forwarder posting it to ``api_url``."""
-    sender = EventSender(api_url)
-    stopped = threading.Event()
-    with tempfile.TemporaryDirectory(prefix="vrd-bench-spool-") as base:
-        spool = Spool(Path(base), [config.name])
-        forwarder = Forwarder(config, Path(base) / config.name, sender.adopt)
-        thread = threading.Thread(target=forwarder.run, args=(stopped,), daemon=True)
-        thread.start()
-        try:
-            yield spool
-        finally:
-            stopped.set()
-            thread.join(10)
-            sender.close(timeout=10)
+    with tempfile.TemporaryDirectory(prefix="vrd-bench-spool-") as tmp:
+        base = Path(tmp)
+        with forwarding(config, base, api_url):
+            yield Spool(base, [config.name])
 
 
 def _one_round(
