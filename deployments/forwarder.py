@@ -10,6 +10,7 @@ cluster. Anything else is set aside as ``.bad``, with the reason in the log.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -101,7 +102,7 @@ class Forwarder:
         adopt: Callable[[dict[str, Any], Path], bool],
     ) -> None:
         self.config, self.spool, self._adopt = config, spool, adopt
-        self._handed: set[str] = set()
+        self._handed: set[tuple[int, str]] = set()
         self._said: str | None = None
 
     def scan(self) -> int:
@@ -113,13 +114,15 @@ class Forwarder:
         if problem is not None:
             return 0
         try:
-            files = sorted(self.spool.glob("*.json"), key=lambda p: (p.stat().st_mtime_ns, p.name))
+            files = self._files()
         except OSError as exc:
             log.warning("cannot read the webhook's spool %s: %s", self.spool, exc)
             return 0
         handed = 0
-        for path in files:
-            if path.name in self._handed:
+        for key in files:
+            _, name = key
+            path = self.spool / name
+            if key in self._handed:
                 continue
             try:
                 if path.stat().st_size > MAX_FILE_BYTES:
@@ -133,10 +136,19 @@ class Forwarder:
                 path.replace(path.with_suffix(".bad"))
                 continue
             if self._adopt(event, path):
-                self._handed.add(path.name)
+                self._handed.add(key)
                 handed += 1
-        self._handed &= {p.name for p in files}  # delivered ones are gone: forget them
+        self._handed &= set(files)  # delivered ones are gone: forget them
         return handed
+
+    def _files(self) -> list[tuple[int, str]]:
+        """The spool's events, oldest first, each by its time and name: one written again
+        under the same name (the same boot, accepted again after a restart) is new."""
+        found = []
+        for path in self.spool.glob("*.json"):
+            with contextlib.suppress(FileNotFoundError):  # delivered and removed meanwhile
+                found.append((path.stat().st_mtime_ns, path.name))
+        return sorted(found)
 
     def run(self, stop: threading.Event) -> None:
         """Scan until ``stop``; a scan that fails is said and tried again."""

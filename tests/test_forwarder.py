@@ -6,6 +6,7 @@ Prefect server."""
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import threading
 import uuid
@@ -71,6 +72,12 @@ def test_the_forwarder_hands_each_file_once_and_sets_aside_the_rest(tmp_path: Pa
     assert forwarder.scan() == 1 and forwarder.scan() == 0  # once
     assert [p for _, p in handed] == [good]
     assert not bad.exists() and bad.with_suffix(".bad").exists()
+    # Posted and removed, then the same boot accepted again (a webhook restarted meanwhile
+    # forgot it): the same name, written anew, is handed again rather than left for good.
+    written = good.stat().st_mtime_ns
+    good.write_text(good.read_text())
+    os.utime(good, ns=(written + 10**9, written + 10**9))
+    assert forwarder.scan() == 1 and [p for _, p in handed] == [good, good]
 
 
 @pytest.mark.integration
