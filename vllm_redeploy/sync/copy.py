@@ -28,7 +28,10 @@ DIRECT_CHECK_S = 10.0
 ENDED_WAIT_S = 5.0  # for a receiver that stopped taking bytes to end and say why
 # Received files go under STAGE; each is renamed into the model directory once the stream
 # ended whole. Names come on stdin, each ended by a NUL (a name may hold any other byte).
-RECEIVE = 'mkdir -p -- "$2" && exec tar -C "$2" -xf -'
+# tar ends at the archive's end marker, whatever follows it: twice in full runs the receiving
+# tar ended (exit 0, nothing said) while the relay still had the stream's last bytes to write,
+# and a whole copy failed with a broken pipe. What follows the marker is read to the end.
+RECEIVE = 'mkdir -p -- "$2" && tar -C "$2" -xf - && exec cat >/dev/null'
 PROMOTE = """cd -- "$2" || exit 1
 xargs -0 -r sh -c 'for f; do
   mkdir -p -- "$(dirname -- "$0/$f")" && mv -f -- "$f" "$0/$f" || exit 255
