@@ -124,28 +124,26 @@ class EventSender:
 
     def offer(self, event: dict[str, Any]) -> Refusal | None:
         """As ``submit``: None when queued, else why not."""
-        if self._closing.is_set():
-            return Refusal("closing", "the sender is shutting down")
-        with self._lock:
-            if self._pending >= self._max_queue:
-                log.warning("event queue full (%d): dropped %s", self._max_queue, event["id"])
-                return Refusal("full", f"{self._max_queue} events are waiting for Prefect")
-            self._queue.put((event, None))
-            self._pending += 1
-        return None
+        refused = self._put(event, None)
+        if refused is not None and refused.kind == "full":
+            log.warning("event queue full (%d): dropped %s", self._max_queue, event["id"])
+        return refused
 
     def adopt(self, event: dict[str, Any], path: Path) -> bool:
         """Queue ``event``, kept on disk as ``path`` by another process (the webhook's spool):
         removed once Prefect took it, set aside as ``.bad`` if Prefect refuses it. False (nothing
         queued) when full or closing: the file stays for a later try."""
+        return self._put(event, path) is None
+
+    def _put(self, event: dict[str, Any], path: Path | None) -> Refusal | None:
         if self._closing.is_set():
-            return False
+            return Refusal("closing", "the sender is shutting down")
         with self._lock:
             if self._pending >= self._max_queue:
-                return False
+                return Refusal("full", f"{self._max_queue} events are waiting for Prefect")
             self._queue.put((event, path))
             self._pending += 1
-        return True
+        return None
 
     def close(self, timeout: float = 10.0) -> bool:
         """Deliver what is queued, for up to ``timeout`` s; True when nothing is left."""

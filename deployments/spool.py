@@ -46,11 +46,8 @@ def spool_base(configs: Sequence[ClusterConfig]) -> Path:
     if explicit is not None:
         return Path(explicit)
     xdg = os.environ.get("XDG_STATE_HOME")
-    return (
-        (Path(xdg) if xdg else Path.home() / ".local" / "state")
-        / "vllm-redeploy"
-        / ("webhook-spool")
-    )
+    state = Path(xdg) if xdg else Path.home() / ".local" / "state"
+    return state / "vllm-redeploy" / "webhook-spool"
 
 
 def spool_of(config: ClusterConfig) -> Path:
