@@ -425,7 +425,8 @@ def test_a_rank_that_dies_during_the_load_fails_the_engine_at_once(
 ) -> None:
     env = ray_env(cluster, VRD_DEAD_EXIT_DELAY="1", VRD_LOAD_SECONDS="60")
     standin = ray_launcher.start(*ray_flags(), tp=2, env=env)
-    wait_until(lambda: len(live(cluster.worker.gpu_state)) == 1, 60, "the worker's rank")
+    # The rank holds its GPU before NCCL's init; killed then, the head's init fails instead.
+    wait_until(lambda: "Starting to load model" in standin.output(), 60, "the load's start")
     [worker_rank] = live(cluster.worker.gpu_state)
     os.kill(worker_rank.pid, signal.SIGKILL)
     assert standin.wait_exit(20) == 1
