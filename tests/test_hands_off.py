@@ -98,15 +98,18 @@ def test_a_run_waiting_for_the_cluster_when_it_is_paused_changes_nothing(
     ends Skipped naming the pause."""
     cluster = f"waited{uuid.uuid4().hex[:6]}"
     path = bed.write_config(
-        bed.root / "waited.toml", name=cluster, vllm={"env": {"VRD_LOAD_SECONDS": "30"}}
+        bed.root / "waited.toml", name=cluster, vllm={"env": {"VRD_LOAD_SECONDS": "40"}}
     )
     log_h, log_w = bed.root / "holder.log", bed.root / "waiter.log"
     holder = run_cli(path, prefect_api, log_h)
     waiter = None
     try:
-        wait_until(lambda: "step wait-ready" in log_h.read_text(), 120, "H loading", log_h)
+        # W starts once H holds the cluster, not once H loads: on a busy machine W's start took
+        # long enough that H had served and W, given the cluster, had ended before the pause.
+        wait_until(lambda: "step preflight" in log_h.read_text(), 120, "H holding", log_h)
         waiter = run_cli(path, prefect_api, log_w)
         wait_until(lambda: "step cluster-lock" in log_w.read_text(), 60, "W waiting", log_w)
+        wait_until(lambda: "step wait-ready" in log_h.read_text(), 120, "H loading", log_h)
         wait_until(lambda: len(runs_of(prefect_api, cluster)) == 2, 30, "both runs tagged")
         h, w = runs_of(prefect_api, cluster)
         said = pause(prefect_api, path)

@@ -74,8 +74,10 @@ def test_without_dropping_the_cache_vllm_refuses(gb10_bed: TestBed) -> None:
 
 @pytest.fixture
 def hog(gb10_bed: TestBed) -> Iterator[subprocess.Popen[str]]:
-    """A process on node-1 (no GPU) that holds 60 GiB of the node's memory, and 600 MB of this
-    machine's for real, so `ps` lists it first, as it would on the node."""
+    """A process on node-1 (no GPU) that holds 60 GiB of the node's memory, and 3 GiB of this
+    machine's for real, so `ps` lists it first, as it would on the node. The bed's nodes see
+    this machine's processes: with 600 MB, a real vLLM's CPU workers (1.6 GiB each) started by
+    a test on another worker came before it."""
     node = gb10_bed.nodes[0]
     program = gb10_bed.root / "mem-hog"
     with contextlib.suppress(FileExistsError):
@@ -85,7 +87,7 @@ def hog(gb10_bed: TestBed) -> Iterator[subprocess.Popen[str]]:
         import sys, time
         from tests.testbed.memory import NodeMemory
         held = NodeMemory({str(node.gpu_dir)!r}).hold("mem-hog", 60 * {GIB})
-        ballast = bytearray(600 * 1024 * 1024)
+        ballast = bytearray(3 * 1024 * 1024 * 1024)
         for i in range(0, len(ballast), 4096):
             ballast[i] = 1
         print("holding", flush=True)
