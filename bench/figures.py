@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from bench.caches import CacheStarts
+from bench.cost import Floors, Meter, StepCost, median_cost
 from bench.measure import Crash, Ensure, FlowRun, Redeploy
 from bench.reference import ReferenceRun
 
@@ -20,6 +21,9 @@ READY_LAG_MAX_S = 1.0
 CRASH_LAG_MAX_S = 3.0
 ENSURE_MAX_S = 5.0
 REFERENCE_POLL_TO_BEAT_S = 10.0
+# Task run times are the client's clock marks around the task's body: a call on the edge
+# belongs to the step.
+SPAN_SLACK_S = 0.05
 
 # The reference script's marks, named like the flow's steps.
 REFERENCE_STEPS = {"join-workers": "join-worker", "ready": "wait-ready"}
@@ -115,6 +119,24 @@ class PerNodes:
                 add("crash: last task to Failed", failed - max(t.end for t in c.run.record.tasks))
         return {name: statistics.median(values) for name, values in samples.items()}
 
+    def step_costs(self, meter: Meter) -> dict[str, StepCost]:
+        """What each step cost the product (median over runs, field by field): the Ray
+        redeploys' steps and the whole run, then the mp redeploys', `ensure`'s and a crash's."""
+        samples: dict[str, list[StepCost]] = {}
+        runs = [
+            *(("", r.run) for r in self.redeploys),
+            *(("mp: ", r.run) for r in self.mp_redeploys),
+            *(("ensure: ", e.run) for e in self.ensures),
+            *(("crash: ", c.run) for c in self.crashes),
+        ]
+        for prefix, run in runs:
+            for step, (begin, end) in step_spans(run).items():
+                cost = meter.cost(begin, end, SPAN_SLACK_S)
+                samples.setdefault(prefix + step, []).append(cost)
+            whole = meter.cost(run.started, run.started + run.wall_s)
+            samples.setdefault(f"{prefix}(whole run)", []).append(whole)
+        return {name: median_cost(costs) for name, costs in samples.items()}
+
 
 def preflight_split(bench: Bench) -> tuple[list[float], list[float]]:
     """Preflight's duration in the runs that asked the image (its facts not cached yet: an
@@ -131,12 +153,17 @@ def preflight_split(bench: Bench) -> tuple[list[float], list[float]]:
     return asked, cached
 
 
-def step_durations(run: FlowRun) -> dict[str, float]:
+def step_spans(run: FlowRun) -> dict[str, tuple[float, float]]:
+    """Each step's first start and last end over its task runs (unix seconds)."""
     spans: dict[str, tuple[float, float]] = {}
     for t in run.record.tasks:
         begin, end = spans.get(t.step, (t.start, t.end))
         spans[t.step] = (min(begin, t.start), max(end, t.end))
-    found = {step: end - begin for step, (begin, end) in spans.items()}
+    return spans
+
+
+def step_durations(run: FlowRun) -> dict[str, float]:
+    found = {step: end - begin for step, (begin, end) in step_spans(run).items()}
     if run.record.tasks:
         found["(flow) call to first task"] = run.record.tasks[0].start - run.started
         last = max(t.end for t in run.record.tasks)
@@ -194,6 +221,8 @@ class Bench:
     crash_load_s: float
     per_nodes: dict[int, PerNodes] = field(default_factory=dict)
     extras: Extras | None = None
+    meter: Meter | None = None  # every node call and CPU sample of the whole benchmark
+    floors: Floors | None = None  # measured by hand on the smallest bed
 
     @property
     def smallest(self) -> PerNodes:

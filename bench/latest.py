@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from bench import figures as f
+from bench.cost import Floors, Meter, StepCost
 from bench.figures import Bench, Extras, PerNodes, median
 
 
@@ -243,6 +244,67 @@ def steps_table(bench: Bench) -> list[str]:
     return lines
 
 
+# Steps that start containers: `docker run` by hand is their floor, whatever the round trips.
+CONTAINER_STEPS = ("ray-head", "join-workers", "launch-vllm", "launch-followers", "launch-leader")
+
+
+def floor_s(step: str, cost: StepCost, floors: Floors) -> float:
+    """What the step cannot go below on this bed: its critical path's round trips at what one
+    costs by hand (a command over SSH; a Docker request, an HTTP one counted as such), or one
+    container's `docker run` by hand for a step that starts containers."""
+    docker = cost.critical - cost.critical_ssh
+    network = cost.critical_ssh * floors.round_trip_s + docker * floors.docker_call_s
+    starts = step.split(": ")[-1] in CONTAINER_STEPS
+    return max(network, floors.docker_run_s) if starts else network
+
+
+def cost_table(bench: Bench, meter: Meter, floors: Floors | None) -> list[str]:
+    ns = sorted(bench.per_nodes)
+    per_n = {n: bench.per_nodes[n].step_costs(meter) for n in ns}
+    names: list[str] = []
+    for table in per_n.values():
+        names += [name for name in table if name not in names]
+    columns = (
+        "s",
+        "round trips on the critical path (ssh + requests)",
+        "calls (most on one node)",
+        "controller CPU s (per node, ms)",
+        "machine busy",
+    )
+    head = "| step | " + " | ".join(f"{c}, N={n}" for c in columns for n in ns)
+    smallest = min(ns)
+    head += f" | floor N={smallest}, s |" if floors else " |"
+    lines = [head, "|" + " --- |" * (1 + len(columns) * len(ns) + (1 if floors else 0))]
+    for name in names:
+        found = [per_n[n].get(name) for n in ns]
+        cells = [num(c.seconds, 2) if c else "–" for c in found]
+        cells += [
+            f"{c.critical} ({c.critical_ssh} + {c.critical - c.critical_ssh})" if c else "–"
+            for c in found
+        ]
+        cells += [f"{c.calls} ({c.per_node_max})" if c else "–" for c in found]
+        cells += [
+            f"{c.cpu_s:.2f} ({1000 * c.cpu_s / n:.0f})" if c else "–"
+            for c, n in zip(found, ns, strict=True)
+        ]
+        cells += [f"{100 * c.busy:.0f} %" if c and c.busy is not None else "–" for c in found]
+        small = per_n[smallest].get(name)
+        if floors:
+            cells.append(num(floor_s(name, small, floors), 2) if small else "–")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def floors_lines(floors: Floors) -> list[str]:
+    return [
+        f"- one SSH round trip (`true` over the open connection): {floors.round_trip_s:.3f} s",
+        f"- one Docker API request over it (`GET /_ping`): {floors.docker_call_s:.3f} s",
+        "- `docker run --rm --entrypoint /bin/sh IMAGE -c :` of the vLLM image on the node's "
+        "engine, by hand: "
+        f"{floors.docker_run_s:.3f} s",
+    ]
+
+
 def method(bench: Bench) -> list[str]:
     return [
         "## How each figure is measured",
@@ -302,6 +364,20 @@ def method(bench: Bench) -> list[str]:
         "`(flow)` rows are the gaps before the first and after the last task run; "
         "`(stand-in)` is the engine container's start to its first weight-loading log line "
         "(part of the configured load). The reference's steps run from one mark to the next.",
+        "- **the product's own cost** (`bench/cost.py`): every call the controller makes to a "
+        "node is recorded: a command over SSH (a `run_all` batch is one), a Docker API request "
+        "over the node's connection, the channel a pooled Docker connection opens, an HTTP "
+        "request to the engine's API (a command inside a container counts as its Docker "
+        "requests). Per step (its task runs' span), *round trips on the critical path* is the "
+        "longest chain of those calls each starting after the previous one ended (over SSH + "
+        "requests): calls fanned out to the nodes at once count once, so the figure should not "
+        "grow with N; a step that polls (cluster-check, wait-ready) counts each poll. "
+        "*Controller CPU* is this process's CPU time (every thread: the flow and Prefect's "
+        "client) sampled every 0.1 s; *machine busy* the share of every core busy meanwhile "
+        "(`/proc/stat`), which says how much of a step's seconds the bed's own processes took on "
+        "this 2-core machine. *floor*: the critical path's round trips at what one costs by hand "
+        "(below; an HTTP request as a Docker one), or one `docker run` by hand for a step that "
+        "starts containers.",
     ]
 
 
@@ -334,5 +410,16 @@ def render(bench: Bench) -> list[str]:
             "",
             *reference_table(bench, bench.extras),
         ]
-    lines += ["", "## Steps (median seconds)", "", *steps_table(bench), "", *method(bench)]
+    lines += ["", "## Steps (median seconds)", "", *steps_table(bench)]
+    if bench.meter is not None:
+        lines += [
+            "",
+            "## The product's own cost per step (median over runs)",
+            "",
+            *cost_table(bench, bench.meter, bench.floors),
+        ]
+        if bench.floors is not None:
+            lines += ["", f"Floors, measured by hand on the N={min(bench.per_nodes)} bed:", ""]
+            lines += floors_lines(bench.floors)
+    lines += ["", *method(bench)]
     return lines

@@ -25,7 +25,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")  # the flows' step logs would drown ours
 
-from bench import caches, chart, coldstart, latest, measure, trigger
+from bench import caches, chart, coldstart, cost, latest, measure, trigger
 from bench.bookkeeping import bookkeeping_s, shape_of
 from bench.figures import Bench, Extras, PerNodes
 from bench.prefect_server import running_prefect_server, using_api
@@ -109,6 +109,8 @@ def run_bench(api: str, args: argparse.Namespace, work: Path) -> Bench:
         with bed_of(nodes, first_ip) as bed:
             measure_flow(api, bed, result, args)
             if position == 0:
+                bench.floors = cost.floors(result.redeploys[0].run.config, bed)
+                say(f"floors: {bench.floors}")
                 bench.extras = measure_extras(api, bed, result, args, work)
             measure_crashes(api, bed, result, args)
     if bench.extras is not None and args.real_engine:
@@ -164,7 +166,9 @@ def main(argv: list[str] | None = None) -> None:
             api = args.api_url or stack.enter_context(running_prefect_server(work))
             stack.enter_context(using_api(api))
             say(f"Prefect server at {api}")
+            meter = stack.enter_context(cost.metered(api))
             bench = run_bench(api, args, work)
+            bench.meter = meter
         write(bench, args.out)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -34,6 +34,11 @@ ROWS = (
     "preflight, an image known",
     "every node rebooted → after-reboot run Running",
     "## Steps",
+    "## The product's own cost per step",
+    "round trips on the critical path (ssh + requests), N=2",
+    "| (whole run) |",
+    "| ensure: (whole run) |",
+    "one SSH round trip",
 )
 
 
