@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -35,6 +36,7 @@ from vllm_redeploy.launch.backend import GroupStatus
 from vllm_redeploy.launch.group import engine_container
 from vllm_redeploy.launch.mp import follower_container
 from vllm_redeploy.launch.ray import ray_container
+from vllm_redeploy.names import artifact_key, cluster_tag
 from vllm_redeploy.nodes import NodeAccess
 from vllm_redeploy.status import (
     ContainerStatus,
@@ -47,6 +49,10 @@ from vllm_redeploy.status import (
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]  # a bed and a flow run
 CLI = Path(sys.executable).parent / "vllm-redeploy"
 ANSI = re.compile(r"\x1b\[")
+# The deployed cluster's own name: the session's Prefect server is shared by every module on the
+# worker, and one that served a nightly schedule for the bed's default name ("bed") made its
+# scheduled run this cluster's "next run".
+CLUSTER = f"status-{uuid.uuid4().hex[:6]}"
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +60,9 @@ def deployed(prefect_api: str) -> Iterator[tuple[TestBed, Path]]:
     """A bed with the deployment running, brought up by one real flow run."""
     bed = make_bed(2, "h200", first_ip=91, backend="ray")  # status reports Ray's members
     try:
-        path = bed.write_config(bed.root / "run.toml", vllm={"env": {"VRD_LOAD_SECONDS": "1"}})
+        path = bed.write_config(
+            bed.root / "run.toml", name=CLUSTER, vllm={"env": {"VRD_LOAD_SECONDS": "1"}}
+        )
         state = redeploy_vllm_cluster(str(path), "redeploy", return_state=True)
         assert state.is_completed(), state.result(raise_on_failure=False)
         yield bed, path
@@ -85,7 +93,7 @@ def test_status_of_a_healthy_deployment(deployed: tuple[TestBed, Path]) -> None:
     code, report = status_json(path)
     assert code == 0, report["problems"]
     assert report["healthy"] and report["problems"] == []
-    assert report["last_run"]["name"] == "bed-manual-redeploy", report["last_run"]
+    assert report["last_run"]["name"] == f"{CLUSTER}-manual-redeploy", report["last_run"]
     assert report["last_run"]["state"] == "Completed" and report["next_run"] is None
     config = load_config(path, env_file=None)
     head, worker = report["nodes"]
@@ -122,14 +130,18 @@ def test_status_piped_is_plain_text(deployed: tuple[TestBed, Path]) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert not ANSI.search(result.stdout + result.stderr)
     text = result.stdout
-    assert text.splitlines()[0] == "cluster bed: healthy"
+    assert text.splitlines()[0] == f"cluster {CLUSTER}: healthy"
     # the header: the cluster's last run (the fixture's); no schedule is served here
     (last,) = [line for line in text.splitlines()[:4] if line.startswith("last run")]
     when, took = r"\d{4}-\d\d-\d\d \d\d:\d\d", r"\d+ (s|min \d+ s)"
-    assert re.fullmatch(rf"last run   bed-manual-redeploy {when}, Completed after {took}", last)
+    assert re.fullmatch(
+        rf"last run   {CLUSTER}-manual-redeploy {when}, Completed after {took}", last
+    )
     assert "next run" not in text
     assert "watcher    never seen: no `vllm-redeploy watch` looks at it" in text
-    assert re.search(r"node-1 head .*yes \d+\.\d ms .*vllm-redeploy-bed-engine running", text)
+    assert re.search(
+        rf"node-1 head .*yes \d+\.\d ms .*vllm-redeploy-{CLUSTER}-engine running", text
+    )
     assert "held by PID" in text and "ray::RayWorkerWrapper" in text
     assert f"alive at {bed.nodes[1].ip}, 1 GPU" in text
     assert re.search(rf"model\s+{re.escape(SERVED_NAME)} \(/v1/models\)", text)
@@ -148,7 +160,7 @@ def test_status_names_the_next_scheduled_run(
         f"{prefect_api}/flow_runs/",
         json={
             "flow_id": flow.json()["id"],
-            "tags": ["cluster:bed"],
+            "tags": [cluster_tag(CLUSTER)],
             "parameters": {"trigger": "nightly", "mode": "redeploy"},
             "state": {"type": "SCHEDULED", "state_details": {"scheduled_time": due.isoformat()}},
         },
@@ -175,13 +187,13 @@ def test_the_run_command_piped_prints_a_line_per_step_then_the_summary(
     # the flow run first: its name (cluster, trigger, mode) and its page in the UI
     ui = prefect_api.removesuffix("/api")
     found = re.fullmatch(
-        rf"flow run bed-manual-redeploy: {re.escape(ui)}/runs/flow-run/(\S+)", first
+        rf"flow run {CLUSTER}-manual-redeploy: {re.escape(ui)}/runs/flow-run/(\S+)", first
     )
     assert found, first
     flow_run = httpx.get(f"{prefect_api}/flow_runs/{found[1]}", timeout=10).json()
-    assert flow_run["name"] == "bed-manual-redeploy"
+    assert flow_run["name"] == f"{CLUSTER}-manual-redeploy"
     assert flow_run["parameters"]["config_path"] == str(path)
-    steps = [line.split(":")[0] for line in lines[: lines.index("# bed: redeployed")]]
+    steps = [line.split(":")[0] for line in lines[: lines.index(f"# {CLUSTER}: redeployed")]]
     assert steps == [
         "guard",
         "cluster-lock",
@@ -203,7 +215,10 @@ def test_the_run_command_piped_prints_a_line_per_step_then_the_summary(
     summary = "\n".join(lines[14:])
     assert "| step | seconds |" in summary and "| wait-ready |" in summary
     # what was stopped on each node: this time our own containers of the last run
-    assert "ours from the last run: vllm-redeploy-bed-engine, vllm-redeploy-bed-ray" in summary
+    assert (
+        f"ours from the last run: vllm-redeploy-{CLUSTER}-engine, vllm-redeploy-{CLUSTER}-ray"
+        in summary
+    )
     assert "- vLLM 0.19.0" in summary and f"served at http://{bed_ip(91)}:30000/v1" in summary
     assert "- healthy: reasoning only: the token budget ended inside thinking" in summary
     assert "- reasoning: \u201cThinking Process:" in summary
@@ -242,7 +257,7 @@ def test_status_after_the_engine_is_gone(deployed: tuple[TestBed, Path]) -> None
     assert not ANSI.search(result.stdout + result.stderr)
     assert re.search(r"engine\s+not running", result.stdout)
     assert "  - the vLLM engine on node-1 is not running" in result.stdout
-    assert result.stdout.startswith("cluster bed: not healthy")
+    assert result.stdout.startswith(f"cluster {CLUSTER}: not healthy")
 
 
 def test_a_trickle_on_the_api_port_costs_status_and_a_look_seconds(
@@ -335,6 +350,7 @@ def test_hostile_values_reach_the_terminal_and_the_summary_escaped(
     bed, _ = deployed
     path = bed.write_config(
         bed.root / "nasty.toml",
+        name=CLUSTER,  # the deployed group's cluster
         vllm={"env": {"VRD_LOAD_SECONDS": "1", "VRD_FAULT": f"wrong_name:{NASTY}"}},
         # The run stops as soon as the name is listed; the deadline only bounds a failed start.
         deadlines={"model_load_s": 300},
@@ -347,7 +363,9 @@ def test_hostile_values_reach_the_terminal_and_the_summary_escaped(
 
     summary = latest_summary(prefect_api)
     tokens = MarkdownIt("commonmark").enable("table").parse(summary)
-    assert tokens[0].type == "heading_open" and tokens[1].content == "bed: failed at wait-ready"
+    assert (
+        tokens[0].type == "heading_open" and tokens[1].content == f"{CLUSTER}: failed at wait-ready"
+    )
     (failure,) = [t.content for t in tokens if t.type == "fence"]
     assert failure.startswith(f"{SERVED_NAME} is not served")
     assert_nasty_shown_safely(failure)
@@ -369,7 +387,7 @@ def latest_summary(api_url: str) -> str:
 
     found = httpx.post(
         f"{api_url}/artifacts/latest/filter",
-        json={"artifacts": {"key": {"any_": ["bed-summary"]}}, "limit": 1},
+        json={"artifacts": {"key": {"any_": [artifact_key(CLUSTER, "summary")]}}, "limit": 1},
         timeout=10,
     )
     found.raise_for_status()
