@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.launch.backend import GroupMember, SettleFailed
@@ -108,12 +109,15 @@ def still_starting(
     log: logging.Logger | logging.LoggerAdapter,
 ) -> list[str]:
     """The nodes whose `ray start` has not reported success yet; fails if one exited (a worker
-    whose raylet registered too late for Ray is first started once more)."""
+    whose raylet registered too late for Ray is first started once more). Every node is read at
+    once: one look costs the same round trips with 8 nodes as with 2."""
     pending = []
     ips = {n.name: n.ip for n in config.nodes}
-    for name in names:
+    container = ray_container(config)
+    with ThreadPoolExecutor(max_workers=max(len(names), 1), thread_name_prefix="ray-start") as pool:
+        starts = list(pool.map(lambda n: wait_ray_started(docker_of(n), container, 0), names))
+    for name, start in zip(names, starts, strict=True):
         docker = docker_of(name)
-        start = wait_ray_started(docker, ray_container(config), 0)
         worker = name != config.head.name
         if start.exited and worker and name not in again and RAYLET_LATE in start.tail:
             log.warning("Ray on %s registered too late for Ray's 30 s: starting it again", name)
