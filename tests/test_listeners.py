@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import time
 
 import pytest
 
@@ -73,8 +74,29 @@ def test_owner_from_either_cgroup_driver_and_from_a_unit() -> None:
     assert Owner.of(v1[7]) == Owner(container_id=CONTAINER)
     assert Owner.of(v1[8]) == Owner(container_id=CONTAINER)
     assert Owner.of(v1[9]) == Owner(unit="glm-server.service")
-    assert v1[10] == []  # gone before its cgroup was read
-    assert Owner.of(v1[10]) == Owner()
+    assert 10 not in v1  # gone before its cgroup was read: no owner, so not in the way
+
+
+def test_a_process_that_ended_or_is_ending_has_no_cgroup_to_read() -> None:
+    """An engine exiting between ss and the cgroup read (a zombie shows cgroup v1's root paths,
+    which read as neither a container nor a unit) or gone by then: no owner, no refusal."""
+    zombie = subprocess.Popen(["true"])  # not waited for: a zombie once it exits
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    deadline = time.monotonic() + 10
+    while not _state(zombie.pid).startswith("Z") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        pids = [os.getpid(), zombie.pid, gone.pid]
+        read = subprocess.run(cgroups_argv(pids), capture_output=True, text=True, check=True)
+        assert set(parse_cgroups(read.stdout)) == {os.getpid()}
+    finally:
+        zombie.wait()
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/status") as status:
+        return next(line for line in status if line.startswith("State:")).split()[1]
 
 
 def _kept(owner: Owner, stopping: Stopping, process: str = "httpd") -> list[str]:

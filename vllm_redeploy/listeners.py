@@ -76,7 +76,12 @@ def collisions(
     }
 
 
-CGROUP_ARGV_SCRIPT = 'for p; do echo "== $p"; cat "/proc/$p/cgroup" 2>/dev/null; done'
+# A process that ended since ss looked, or is ending (a zombie: cgroup v1 shows it at the root of
+# every hierarchy), prints no cgroup: an engine exiting at that moment is no stranger on its port.
+CGROUP_ARGV_SCRIPT = (
+    'for p; do echo "== $p"; grep -qs "^State:[[:space:]]*[ZX]" "/proc/$p/status" || '
+    'cat "/proc/$p/cgroup" 2>/dev/null || true; done'
+)
 
 
 def cgroups_argv(pids: Iterable[int]) -> list[str]:
@@ -85,15 +90,15 @@ def cgroups_argv(pids: Iterable[int]) -> list[str]:
 
 
 def parse_cgroups(stdout: str) -> dict[int, list[str]]:
-    """PID -> its cgroup paths (one per hierarchy: v2 has one, v1 one per controller)."""
+    """PID -> its cgroup paths (one per hierarchy: v2 has one, v1 one per controller); a process
+    that printed none (ended, or ending) is left out: it holds no port by the time we act."""
     found: dict[int, list[str]] = {}
     pid = None
     for line in stdout.split("\n"):
         if line.startswith("== ") and line[3:].isdigit():
             pid = int(line[3:])
-            found[pid] = []
         elif pid is not None and line.count(":") >= 2:
-            found[pid].append(line.split(":", 2)[2])
+            found.setdefault(pid, []).append(line.split(":", 2)[2])
     return found
 
 
