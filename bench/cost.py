@@ -16,7 +16,6 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,7 +180,7 @@ def _wrap(owner: type, name: str, node_of: NodeOf, kind: str, meter: Meter) -> A
     return original
 
 
-@contextmanager
+@contextlib.contextmanager
 def metered(prefect_api: str | None = None) -> Iterator[Meter]:
     """Count every node call this process makes, and sample CPU, while inside. Requests to
     ``prefect_api`` are Prefect's bookkeeping, not node calls."""
