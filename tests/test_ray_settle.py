@@ -19,7 +19,7 @@ from tests.testbed.bed import TestBed
 from vllm_redeploy.config import load_config
 from vllm_redeploy.launch.backend import SettleFailed
 from vllm_redeploy.launch.ray import ray_container
-from vllm_redeploy.launch.ray_settle import still_starting, wait_members
+from vllm_redeploy.launch.ray_settle import RayStarts, wait_members
 
 pytestmark = pytest.mark.integration
 LATE = (
@@ -58,15 +58,12 @@ def exited_ray(bed: TestBed, run: Run, node: int, script: str) -> None:
 
 def settle(run: Run, names: list[str], within_s: float = 30) -> tuple[list[str], set[str]]:
     """The nodes still starting after ``within_s``, and those started a second time."""
-    again: set[str] = set()
     deadline = time.monotonic() + within_s
     docker_of = lambda name: run.node(name).docker  # noqa: E731
-    log = logging.getLogger("ray-settle-test")
-    while (
-        pending := still_starting(run.config, docker_of, names, again, log)
-    ) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return pending, again
+    starts = RayStarts(run.config, docker_of, logging.getLogger("ray-settle-test"), names)
+    while starts.pending and time.monotonic() < deadline:
+        starts.settle(deadline - time.monotonic())
+    return sorted(starts.pending), starts.again
 
 
 def test_a_worker_late_for_rays_30_s_is_started_once_more(bed: TestBed, run: Run) -> None:

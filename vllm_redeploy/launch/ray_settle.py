@@ -1,9 +1,10 @@
 """How the Ray backend's launch settles: Ray sees every node alive at its fabric IP with every GPU
 (the "ray-members" phase, step "cluster-check"). The head and the workers start one right after
 the other (the workers wait for the head's GCS by themselves), so this is where both starts are
-waited for. While the nodes start, each one's Ray log says when it has registered (a cheap read);
-Ray's own member list then decides. A head or worker whose Ray exits meanwhile fails at once,
-with its log. No Prefect here: a failure is a ``SettleFailed``, which the launch step reports.
+waited for. While the nodes start, each one's Ray log, followed as it is written, says when it
+has registered; Ray's own member list then decides. A head or worker whose Ray exits meanwhile
+fails at once, with its log. No Prefect here: a failure is a ``SettleFailed``, which the launch
+step reports.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.launch.backend import GroupMember, SettleFailed
@@ -21,16 +21,17 @@ from vllm_redeploy.launch.ray import (
     ray_container,
     ray_members_argv,
 )
-from vllm_redeploy.launch.ray_log import wait_ray_started
+from vllm_redeploy.launch.ray_log import RayStart, RayStartFollowers
 from vllm_redeploy.nodes import CommandError, CommandFailed
 from vllm_redeploy.nodes.docker import NodeDocker
 from vllm_redeploy.safe_text import block, one_line
 
 DockerOf = Callable[[str], NodeDocker]  # a node's Docker, by the node's name
-POLL_S = 0.1
 # Ask Ray itself at least this often, even before every node logged its start (a Ray build may
 # word its success line differently); each look runs Python in the head container.
 LOOK_EVERY_S = 3.0
+# Every node started but Ray's list not whole yet (a GPU not registered): asked again this soon.
+LOOK_AGAIN_S = 0.5
 # Ray gives a new node's raylet a fixed 30 s to register with the GCS (ray/_private/node.py, not
 # configurable), then `ray start` exits with this: many workers joining a busy head at once can
 # miss it. The head is up by then; the worker is started once more.
@@ -71,14 +72,13 @@ def wait_members(
     window = config.deadlines.ray_cluster_s
     head = docker_of(config.head.name)
     started = time.monotonic()
-    starting = [n.name for n in config.nodes]
-    again: set[str] = set()  # the workers started a second time
+    starts = RayStarts(config, docker_of, log)
     next_look = started + LOOK_EVERY_S
     problems: list[str] = []
     while True:
-        starting = still_starting(config, docker_of, starting, again, log)
+        starts.settle(min(next_look, started + window) - time.monotonic())
         now = time.monotonic()
-        if not starting or now >= next_look:
+        if not starts.pending or now >= next_look:
             try:
                 members = ray_members(config, head)
                 problems = membership_problems(config, members)
@@ -89,7 +89,7 @@ def wait_members(
                 gpus = sum(m.gpus for m in members if m.alive)
                 log.info("Ray sees %d nodes and %g GPUs", len(members), gpus)
                 return members
-            next_look = time.monotonic() + (POLL_S * 5 if not starting else LOOK_EVERY_S)
+            next_look = time.monotonic() + (LOOK_AGAIN_S if not starts.pending else LOOK_EVERY_S)
         if now - started >= window:
             status = head.exec_runner(ray_container(config)).run(
                 ["ray", "status"], timeout=60, check=False
@@ -98,39 +98,56 @@ def wait_members(
                 f"after {window:g} s: {'; '.join(problems)}. "
                 f"ray status:\n{block(status.stdout.strip() or status.stderr.strip())}"
             )
-        time.sleep(POLL_S)
 
 
-def still_starting(
-    config: ClusterConfig,
-    docker_of: DockerOf,
-    names: list[str],
-    again: set[str],
-    log: logging.Logger | logging.LoggerAdapter,
-) -> list[str]:
-    """The nodes whose `ray start` has not reported success yet; fails if one exited (a worker
-    whose raylet registered too late for Ray is first started once more). Every node is read at
-    once: one look costs the same round trips with 8 nodes as with 2."""
-    pending = []
-    ips = {n.name: n.ip for n in config.nodes}
-    container = ray_container(config)
-    with ThreadPoolExecutor(max_workers=max(len(names), 1), thread_name_prefix="ray-start") as pool:
-        starts = list(pool.map(lambda n: wait_ray_started(docker_of(n), container, 0), names))
-    for name, start in zip(names, starts, strict=True):
-        docker = docker_of(name)
-        worker = name != config.head.name
-        if start.exited and worker and name not in again and RAYLET_LATE in start.tail:
-            log.warning("Ray on %s registered too late for Ray's 30 s: starting it again", name)
-            again.add(name)
-            docker.start(ray_container(config))
-            pending.append(name)
-            continue
-        if start.exited:
-            role = "worker" if worker else "head"
-            raise SettleFailed(
-                f"Ray on {name} ({role}, {ips[name]}) exited with code {start.exit_code} while "
-                f"starting. Last log lines:\n{block(start.tail)}"
+class RayStarts:
+    """Every node's `ray start`, followed in its container's log from the moment the wait
+    begins; a worker whose raylet registered too late for Ray is started once more."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        docker_of: DockerOf,
+        log: logging.Logger | logging.LoggerAdapter,
+        names: list[str] | None = None,
+    ) -> None:
+        self._config = config
+        self._docker_of = docker_of
+        self._log = log
+        self._followers = RayStartFollowers(docker_of, ray_container(config))
+        self.pending = set(names if names is not None else (n.name for n in config.nodes))
+        self.again: set[str] = set()  # the workers started a second time
+        for name in self.pending:
+            self._followers.follow(name)
+
+    def settle(self, timeout_s: float) -> None:
+        """Take the starts that end within ``timeout_s`` (every one that already has, at
+        least); fails if a node's Ray exited. With none pending, only waits."""
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        if not self.pending:
+            time.sleep(max(timeout_s, 0.0))
+            return
+        while self.pending and (ended := self._followers.next(deadline - time.monotonic())):
+            self._take(*ended)
+
+    def _take(self, name: str, start: RayStart | BaseException) -> None:
+        if isinstance(start, BaseException):
+            raise start
+        if start.started:
+            self.pending.discard(name)
+            return
+        worker = name != self._config.head.name
+        if worker and name not in self.again and RAYLET_LATE in start.tail:
+            self._log.warning(
+                "Ray on %s registered too late for Ray's 30 s: starting it again", name
             )
-        if not start.started:
-            pending.append(name)
-    return pending
+            self.again.add(name)
+            self._docker_of(name).start(ray_container(self._config))
+            self._followers.follow(name)
+            return
+        ip = next(n.ip for n in self._config.nodes if n.name == name)
+        role = "worker" if worker else "head"
+        raise SettleFailed(
+            f"Ray on {name} ({role}, {ip}) exited with code {start.exit_code} while "
+            f"starting. Last log lines:\n{block(start.tail)}"
+        )
