@@ -245,7 +245,7 @@ def steps_table(bench: Bench) -> list[str]:
 
 
 # Steps that start containers: `docker run` by hand is their floor, whatever the round trips.
-CONTAINER_STEPS = ("ray-head", "join-workers", "launch-vllm", "launch-followers", "launch-leader")
+CONTAINER_STEPS = ("ray-head", "join-workers", "launch-vllm")
 
 
 def floor_s(step: str, cost: StepCost, floors: Floors) -> float:

@@ -15,8 +15,8 @@ run waits or works is read again before every step that changes the nodes.
    and the head's ports.
 3-6. Launch the group, one step per phase of the plan. Ray backend: start the Ray head, join
    the workers (each pinned to its fabric IP), check that Ray sees every node and GPU, launch
-   `vllm serve` on the head. mp backend (vLLM's own launcher, no Ray): launch the followers,
-   then the leader.
+   `vllm serve` on the head. mp backend (vLLM's own launcher, no Ray): launch every rank at
+   once, the followers and the leader.
 7. Wait while the weights load, until /v1/models names our model (or a member dies).
 8. Prove the transport: NCCL used RDMA between the nodes (else fail when it is required).
 9. Probe: one chat completion, judged the way a reasoning model answers.

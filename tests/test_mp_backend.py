@@ -96,8 +96,7 @@ def test_mp_serves_after_a_reboot_with_the_old_stack_back(mp_bed: TestBed, nodes
     keep_for_notes(f"summary-mp-{nodes}", result["summary"])
     steps = list(result["steps"])
     assert steps[steps.index("ports-free") + 1 :] == [
-        "launch-followers",
-        "launch-leader",
+        "launch-vllm",  # every rank at once
         "wait-ready",
         "transport",
         "probe",
@@ -126,7 +125,7 @@ def test_auto_picks_ray_when_the_image_carries_it(mp_bed: TestBed) -> None:
     state = redeploy_vllm_cluster(str(path), return_state=True)
     assert state.is_completed(), state.result(raise_on_failure=False)
     result = state.result()
-    assert "ray-head" in result["steps"] and "launch-leader" not in result["steps"]
+    assert "ray-head" in result["steps"] and "cluster-check" in result["steps"]
     assert "- backend ray (the image carries Ray at " in result["summary"]
 
 
@@ -146,13 +145,17 @@ def test_a_follower_killed_during_the_load_fails_the_wait_at_once(mp_bed: TestBe
     killed: list[float] = []
 
     def kill_when_loading() -> None:
+        """Once the group loads (the leader says so; its ranks load together)."""
         deadline = time.monotonic() + 120
-        with contextlib.closing(worker.engine.client()) as client:
+        with (
+            contextlib.closing(mp_bed.nodes[0].engine.client()) as head,
+            contextlib.closing(worker.engine.client()) as client,
+        ):
             while time.monotonic() < deadline:
                 with contextlib.suppress(Exception):
-                    follower = client.containers.get("vllm-redeploy-bed-follower")
-                    if "Model loading took" in follower.logs().decode():
-                        follower.kill()
+                    leader = head.containers.get("vllm-redeploy-bed-engine")
+                    if "Starting to load model" in leader.logs().decode():
+                        client.containers.get("vllm-redeploy-bed-follower").kill()
                         killed.append(time.monotonic())
                         return
                 time.sleep(0.2)

@@ -268,14 +268,16 @@ def test_a_firewalled_follower_is_named_with_both_ranks_logs(real_bed: TestBed, 
     port = load_config(firewalled, env_file=None).vllm.master_port
     rules: list[list[str]] = []
 
+    node = real_bed.nodes[1]
+    name = {"name": f"vllm-redeploy-{CLUSTER}-follower"}
+    with contextlib.closing(node.engine.client()) as client:  # an earlier group's, removed first
+        earlier = {c.id for c in client.containers.list(all=True, filters=name)}
+
     def block_the_follower() -> None:
-        node = real_bed.nodes[1]
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not rules:
             with contextlib.closing(node.engine.client()) as client:
-                found = client.containers.list(
-                    filters={"name": f"vllm-redeploy-{CLUSTER}-follower"}
-                )
+                found = [c for c in client.containers.list(filters=name) if c.id not in earlier]
             if found:
                 rule = _firewall("-I", f"docker/{found[0].id}", port)
                 subprocess.run(rule, check=True, capture_output=True)

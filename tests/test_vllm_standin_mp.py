@@ -385,7 +385,7 @@ def test_the_image_without_ray_serves_across_nodes(mp_bed: TestBed) -> None:
     api = free_port(bed.nodes[0].ip)
     names = []
     try:
-        for rank in (1, 0):  # followers first, as the product launches them
+        for rank in (1, 0):  # a follower before its leader: it waits for the store
             names.append(_run_node(bed, rank, port, api))
         url = f"http://{bed.nodes[0].ip}:{api}/v1/models"
         assert _answers(url, 60), _logs(bed, names)

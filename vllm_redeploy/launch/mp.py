@@ -6,12 +6,13 @@ Every node runs `vllm serve` with the same model and parallel sizes plus ``--nno
 worker hosts the rendezvous (a TCP store on the master port, all addresses) and it serves the
 API once every rank has joined and the weights are loaded.
 
-Launch order: the followers first, then the leader. A follower retries its connection to the
-master port until the rendezvous deadline (vLLM's, 600 s unless
-``--distributed-timeout-seconds``; a follower that cannot connect is named by wait-ready much
-sooner, from its own open connections), so starting them first costs nothing, and the leader's
-rendezvous completes as soon as it is up (the order vLLM's docs and the community Spark launcher
-use). A follower never joins a new leader: the group is always started and removed whole.
+Launch: every rank at once, one step. A follower retries its connection to the master port until
+the rendezvous deadline (vLLM's, 600 s unless ``--distributed-timeout-seconds``; a follower that
+cannot connect is named by wait-ready much sooner, from its own open connections), so it needs
+no leader yet when it starts, and the rendezvous completes as soon as the leader is up. Starting
+the followers first (the order of vLLM's docs and the community Spark launcher, typed by hand)
+only added a step's round trips. A follower never joins a new leader: the group is always
+started and removed whole.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from vllm_redeploy.nodes.containers import ContainerSpec
 BACKEND = "mp"
 LEADER_ROLE = "leader"
 FOLLOWER_ROLE = "follower"
+LAUNCH_STEP = "launch-vllm"  # the Ray backend's engine start has the same name
 
 
 def follower_container(config: ClusterConfig) -> str:
@@ -44,9 +46,9 @@ def follower_container(config: ClusterConfig) -> str:
 def plan(
     config: ClusterConfig, fabric: Mapping[str, NodeFabric] | None = None, reason: str = ""
 ) -> LaunchPlan:
-    """A follower on every node but the head, then the leader on the head: two steps."""
+    """A follower on every node but the head and the leader on the head, started together."""
     fabric = fabric or {}
-    phases = (Phase("launch-followers"), Phase("launch-leader"))
+    phases = (Phase(LAUNCH_STEP),)
     members = [
         Member(
             n.name, FOLLOWER_ROLE, 0, mp_spec(n, config, fabric.get(n.name)), "the vLLM follower"
@@ -55,7 +57,7 @@ def plan(
     ]
     head = config.head
     leader = mp_spec(head, config, fabric.get(head.name))
-    members.append(Member(head.name, LEADER_ROLE, 1, leader, "the vLLM leader (rank 0)", True))
+    members.append(Member(head.name, LEADER_ROLE, 0, leader, "the vLLM leader (rank 0)", True))
     ports = [(config.vllm.port, "API port")]
     if len(config.nodes) > 1:
         ports.append((config.vllm.master_port, "rendezvous (master) port"))
