@@ -170,6 +170,9 @@ def step_durations(run: FlowRun) -> dict[str, float]:
         found["(flow) last task to return"] = run.started + run.wall_s - last
     if "started" in run.engine and "loading" in run.engine:
         found["(stand-in) engine start to loading"] = run.engine["loading"] - run.engine["started"]
+    if run.ray:  # Ray's own start on this bed: what ray-head to cluster-check cannot go below
+        found["(Ray) `ray start` alone, slowest node"] = run.ray["slowest_s"]
+        found["(Ray) head's container start → last node registered"] = run.ray["all_s"]
     return found
 
 

@@ -363,7 +363,11 @@ def method(bench: Bench) -> list[str]:
         "- **steps**: per step, median over runs of first start to last end of its task runs; "
         "`(flow)` rows are the gaps before the first and after the last task run; "
         "`(stand-in)` is the engine container's start to its first weight-loading log line "
-        "(part of the configured load). The reference's steps run from one mark to the next.",
+        "(part of the configured load); `(Ray)` rows are Ray's own start, read from the flow's "
+        "Ray containers (their start to Ray's \"Ray runtime started.\" line, by Docker's log "
+        "timestamps): the slowest node's, and the head container's start to the last node "
+        "registered, which ray-head, join-workers and cluster-check together cannot go below. "
+        "The reference's steps run from one mark to the next.",
         "- **the product's own cost** (`bench/cost.py`): every call the controller makes to a "
         "node is recorded: a command over SSH (a `run_all` batch is one), a Docker API request "
         "over the node's connection, the channel a pooled Docker connection opens, an HTTP "

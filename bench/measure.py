@@ -20,6 +20,8 @@ from flows.redeploy import redeploy_vllm_cluster
 from tests.testbed.bed import TestBed
 from vllm_redeploy.config import load_config
 from vllm_redeploy.launch.group import engine_container
+from vllm_redeploy.launch.ray import ray_container
+from vllm_redeploy.launch.ray_log import RAY_STARTED
 
 LOAD_START_LINE = "Starting to load model"
 READY_STEP = "wait-ready"
@@ -36,6 +38,7 @@ class FlowRun:
     record: FlowRunRecord
     events: dict[str, float] = field(default_factory=dict)
     engine: dict[str, float] = field(default_factory=dict)  # "started", "loading" (unix s)
+    ray: dict[str, float] = field(default_factory=dict)  # ray_marks(), on the Ray backend
 
     def step_end(self, step: str) -> float | None:
         ends = [t.end for t in self.record.tasks if t.step == step]
@@ -120,6 +123,30 @@ def engine_marks(bed: TestBed, config: Path) -> dict[str, float]:
     return marks
 
 
+def ray_marks(bed: TestBed, config: Path) -> dict[str, float]:
+    """Ray's own start, the floor of the Ray steps: on each node, its Ray container's start to
+    Ray's success line (printed once the node is registered with the head), by the container's
+    log timestamps. ``slowest_s``: the slowest node's; ``all_s``: the head container's start to
+    the last node registered. Empty when the run did not start Ray."""
+    name = ray_container(load_config(config, env_file=None))
+    started, registered = [], []
+    for node in bed.nodes:
+        with contextlib.closing(node.engine.client()) as client:
+            found = client.containers.list(all=True, filters={"name": f"^{name}$"})
+            if not found:  # not on this backend
+                continue
+            container = found[0]
+            logs = container.logs(timestamps=True).decode(errors="replace").splitlines()
+            stamps = [line.partition(" ")[0] for line in logs if RAY_STARTED in line]
+            if stamps:
+                started.append(docker_time(container.attrs["State"]["StartedAt"]))
+                registered.append(docker_time(stamps[0]))
+    if not started:
+        return {}
+    slowest = max(r - s for s, r in zip(started, registered, strict=True))
+    return {"slowest_s": slowest, "all_s": max(registered) - min(started)}
+
+
 def run_flow(api_url: str, bed: TestBed, config: Path, env: dict[str, str], mode: str) -> FlowRun:
     started = time.time()
     state = redeploy_vllm_cluster(str(config), mode, return_state=True)
@@ -160,6 +187,7 @@ def redeploy(
             "readiness lag cannot be measured (is that directory mounted into the containers?)"
         )
     run.engine = engine_marks(bed, run.config)
+    run.ray = ray_marks(bed, run.config)
     return Redeploy(run, load_s)
 
 
