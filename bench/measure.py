@@ -19,11 +19,10 @@ from bench.flowruns import FlowRunRecord, read_flow_run
 from flows.redeploy import redeploy_vllm_cluster
 from tests.testbed.bed import TestBed
 from vllm_redeploy.config import load_config
-from vllm_redeploy.launch.group import engine_container
-from vllm_redeploy.launch.ray import ray_container
-from vllm_redeploy.launch.ray_log import RAY_STARTED
+from vllm_redeploy.launch import engine_container, plan_for
 
 LOAD_START_LINE = "Starting to load model"
+RAY_STARTED_LINE = "Ray runtime started."  # what `ray start` prints once its node registered
 READY_STEP = "wait-ready"
 
 
@@ -128,16 +127,18 @@ def ray_marks(bed: TestBed, config: Path) -> dict[str, float]:
     Ray's success line (printed once the node is registered with the head), by the container's
     log timestamps. ``slowest_s``: the slowest node's; ``all_s``: the head container's start to
     the last node registered. Empty when the run did not start Ray."""
-    name = ray_container(load_config(config, env_file=None))
+    plan = plan_for("ray", load_config(config, env_file=None))  # its container names
+    names = {m.node: m.spec.name for m in plan.members if m is not plan.api}
     started, registered = [], []
     for node in bed.nodes:
         with contextlib.closing(node.engine.client()) as client:
-            found = client.containers.list(all=True, filters={"name": f"^{name}$"})
-            if not found:  # not on this backend
+            name = names.get(node.name)
+            found = name and client.containers.list(all=True, filters={"name": f"^{name}$"})
+            if not found:  # not a node of this cluster, or not on this backend
                 continue
             container = found[0]
             logs = container.logs(timestamps=True).decode(errors="replace").splitlines()
-            stamps = [line.partition(" ")[0] for line in logs if RAY_STARTED in line]
+            stamps = [line.partition(" ")[0] for line in logs if RAY_STARTED_LINE in line]
             if stamps:
                 started.append(docker_time(container.attrs["State"]["StartedAt"]))
                 registered.append(docker_time(stamps[0]))
