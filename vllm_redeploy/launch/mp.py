@@ -29,14 +29,13 @@ from vllm_redeploy.launch.group import (
     node_env,
     serve_args,
 )
-from vllm_redeploy.launch.plan import LaunchPlan, Member, Phase
+from vllm_redeploy.launch.plan import LAUNCH_VLLM, LaunchPlan, Member, Phase
 from vllm_redeploy.names import container_name
 from vllm_redeploy.nodes.containers import ContainerSpec
 
 BACKEND = "mp"
 LEADER_ROLE = "leader"
 FOLLOWER_ROLE = "follower"
-LAUNCH_STEP = "launch-vllm"  # the Ray backend's engine start has the same name
 
 
 def follower_container(config: ClusterConfig) -> str:
@@ -48,7 +47,7 @@ def plan(
 ) -> LaunchPlan:
     """A follower on every node but the head and the leader on the head, started together."""
     fabric = fabric or {}
-    phases = (Phase(LAUNCH_STEP),)
+    phases = (Phase(LAUNCH_VLLM),)
     members = [
         Member(
             n.name, FOLLOWER_ROLE, 0, mp_spec(n, config, fabric.get(n.name)), "the vLLM follower"

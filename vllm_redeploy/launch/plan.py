@@ -20,6 +20,9 @@ from vllm_redeploy.nodes.containers import ContainerSpec
 # started: the containers were started (they find each other by themselves);
 # ray-members: Ray sees every node alive at its fabric IP, with its GPUs.
 Settle = Literal["started", "ray-members"]
+# The step that starts vLLM itself (Ray's engine, or every rank of vLLM's own launcher): one
+# name whatever the backend, so summaries, metrics and dashboards compare runs across them.
+LAUNCH_VLLM = "launch-vllm"
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from vllm_redeploy.launch.group import (
     node_env,
     serve_args,
 )
-from vllm_redeploy.launch.plan import LaunchPlan, Member, Phase, Settle
+from vllm_redeploy.launch.plan import LAUNCH_VLLM, LaunchPlan, Member, Phase, Settle
 from vllm_redeploy.names import container_name
 from vllm_redeploy.nodes.containers import ContainerSpec
 from vllm_redeploy.nodes.docker import NodeDocker
@@ -65,7 +65,7 @@ def plan(
         Phase("ray-head"),
         Phase("join-workers"),
         Phase("cluster-check", "ray-members"),
-        Phase("launch-vllm"),
+        Phase(LAUNCH_VLLM),
     )
     head_spec = ray_spec(head, config, fabric.get(head.name))
     members = [Member(head.name, "ray-head", 0, head_spec, "the Ray head container")]
