@@ -172,10 +172,10 @@ def write_config(bed: TestBed, tag: str, env: dict[str, str], **changes: Any) ->
 
 
 def redeploy(
-    api_url: str, bed: TestBed, tag: str, load_s: float, backend: str = "auto"
+    api_url: str, bed: TestBed, tag: str, load_s: float, backend: str = "ray"
 ) -> Redeploy:
-    """A redeploy with the stand-in loading for ``load_s``; ``backend`` as [vllm] backend (the
-    bed's image carries Ray, so auto is ray)."""
+    """A redeploy with the stand-in loading for ``load_s``; ``backend`` as [vllm] backend (Ray
+    by name: auto takes mp on the bed's image, whose vLLM has --nnodes)."""
     env = stand_in_env(bed, tag, load_s)
     config = write_config(bed, tag, env, vllm={"backend": backend})
     run = run_flow(api_url, bed, config, env, "redeploy")
@@ -194,7 +194,8 @@ def redeploy(
 
 def crash(api_url: str, bed: TestBed, tag: str, load_s: float) -> Crash:
     env = stand_in_env(bed, tag, load_s, fault="crash_during_load")
-    run = run_flow(api_url, bed, write_config(bed, tag, env), env, "redeploy")
+    config = write_config(bed, tag, env, vllm={"backend": "ray"})  # as the earlier results
+    run = run_flow(api_url, bed, config, env, "redeploy")
     run.events = read_events(Path(env["VRD_EVENT_LOG"]))
     if run.record.state != "FAILED" or "crashed" not in run.events:
         raise RuntimeError(f"the crash run {tag} ended {run.record.state}, events {run.events}")

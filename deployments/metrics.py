@@ -55,6 +55,7 @@ class RunFacts:
     recoveries: int = 0
     steps: dict[str, float] | None = None  # step -> seconds, of the last run that served
     probe_s: float | None = None  # its probe's answer time
+    weights: tuple[str, float] | None = None  # its loader, and vLLM's seconds for the weights
 
 
 def reasons_of(status: ClusterStatus, up: dict[str, bool]) -> frozenset[str]:
@@ -186,6 +187,12 @@ def _run_families(runs: dict[str, RunFacts]) -> Iterator[Metric]:
     probe = _gauge(
         "probe_latency_seconds", "The probe's answer time in the last run that served.", ["cluster"]
     )
+    weights = _gauge(
+        "weights_load_seconds",
+        'vLLM\'s own time for the weights ("Loading weights took") in the last run that served, '
+        "by the loader that read them.",
+        ["cluster", "loader"],
+    )
     for cluster, facts in sorted(runs.items()):
         success.add_metric([cluster], float(facts.completed))
         ended.add_metric([cluster], facts.ended_at)
@@ -197,7 +204,9 @@ def _run_families(runs: dict[str, RunFacts]) -> Iterator[Metric]:
             step.add_metric([cluster, name], seconds)
         if facts.probe_s is not None:
             probe.add_metric([cluster], facts.probe_s)
-    yield from (success, ended, took, served, recoveries, step, probe)
+        if facts.weights is not None:
+            weights.add_metric([cluster, facts.weights[0]], facts.weights[1])
+    yield from (success, ended, took, served, recoveries, step, probe, weights)
 
 
 def _engine_families(looks: dict[str, LookFacts]) -> Iterator[Metric]:

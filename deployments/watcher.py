@@ -33,6 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 from prefect import get_client
@@ -187,7 +188,7 @@ class ClusterWatcher:
         if self.metrics is None:
             return
         served = next((r for r in found if r.state == "Completed" and r.mode != "stop"), None)
-        steps, probe_s = last_ready(self.config.name)
+        steps, probe_s, weights = last_ready(self.config.name)
         # Prefect stores a run's events a moment after the run ends: ask again at the next
         # looks, for a while, rather than at the next beat.
         self.ready_pending = (
@@ -203,6 +204,7 @@ class ClusterWatcher:
                 pace(self.config.name, self.config.watch).count,
                 steps,
                 probe_s,
+                weights,
             ),
         )
 
@@ -231,9 +233,17 @@ class ClusterWatcher:
                     one_line("; ".join(self.state.problems)))  # fmt: skip
 
 
-def last_ready(cluster: str) -> tuple[dict[str, float] | None, float | None]:
-    """The steps (step -> seconds) and the probe's time of the cluster's last run that served,
-    from its ``vllm.cluster.ready`` event (the last 180 days')."""
+class Ready(NamedTuple):
+    """What the last ``vllm.cluster.ready`` event says of the run that served."""
+
+    steps: dict[str, float] | None
+    probe_s: float | None
+    weights: tuple[str, float] | None  # (loader, vLLM's seconds), when that run loaded them
+
+
+def last_ready(cluster: str) -> Ready:
+    """The steps (step -> seconds), the probe's time and the weights' load of the cluster's
+    last run that served, from its ``vllm.cluster.ready`` event (the last 180 days')."""
     with get_client(sync_client=True) as client:
         page = client.read_events(
             filter=EventFilter(
@@ -244,13 +254,16 @@ def last_ready(cluster: str) -> tuple[dict[str, float] | None, float | None]:
             limit=1,
         )
     if not page.events:
-        return None, None
+        return Ready(None, None, None)
     payload = page.events[0].payload
-    steps = payload.get("steps")
-    probe_s = payload.get("probe_s")
-    return (
+    steps, probe_s = payload.get("steps"), payload.get("probe_s")
+    loader, weights_s = payload.get("loader"), payload.get("weights_s")
+    return Ready(
         {str(k): float(v) for k, v in steps.items()} if isinstance(steps, dict) else None,
         float(probe_s) if isinstance(probe_s, int | float) else None,
+        (str(loader), float(weights_s))
+        if isinstance(loader, str) and isinstance(weights_s, int | float)
+        else None,
     )
 
 

@@ -293,6 +293,7 @@ def _runbook(run: Run, mode: Mode, step: Steps) -> None:
     plan = launch_plan(run, facts)
     judge_preflight(run, facts, plan)
     summary.backend = plan.reason
+    summary.loader, summary.load_format = plan.loader, plan.load_format
     summary.notes += [note for f in facts for note in f.notes] + revision_notes(facts)
     if len(nodes) > 1:
         port = pick_port()
@@ -311,6 +312,7 @@ def _runbook(run: Run, mode: Mode, step: Steps) -> None:
         summary.group = step.change(phase.step, launch_phase, run, plan, index) or summary.group
     ready = step("wait-ready", wait_until_ready, run, plan)
     summary.load_s, summary.vllm_version = ready.waited_s, ready.version
+    summary.weights_s = ready.weights_s
     summary.compile_cache = compile_cache_words(config, ready.compile)
     if len(config.nodes) > 1:
         summary.transport = step("transport", prove_transport, run, plan)
@@ -396,8 +398,17 @@ def _finish(run: Run, summary: RunSummary, event: bool = True) -> dict[str, Any]
     if event:
         transport = summary.transport.as_dict() if summary.transport else None
         probe_s = summary.probe.elapsed_s if summary.probe else None
+        weights = None
+        if summary.load_format and summary.weights_s is not None:
+            weights = (summary.load_format, summary.weights_s)
         ready = ready_event(
-            summary.cluster, summary.mode, summary.action, summary.steps, transport, probe_s
+            summary.cluster,
+            summary.mode,
+            summary.action,
+            summary.steps,
+            transport,
+            probe_s,
+            weights,
         )
         run.records.record("event", lambda: emit_event(**ready))
     return {

@@ -26,10 +26,13 @@ from tasks.stop_autostart import root_commands
 from vllm_redeploy.fabric_checks import Port, configured_name_problems, mtu_mismatches, roce_ports
 from vllm_redeploy.launch import (
     ImageEntrypoint,
+    ImageVllm,
     LaunchPlan,
     NodeFabric,
     asks_the_image,
     choose,
+    choose_loader,
+    loader_refusal,
     plan_for,
     refusal,
 )
@@ -62,6 +65,7 @@ class NodeFacts:
     # The backends' answers from the image (launch.choose), when the choice needs them: asked
     # on the head only; None where the image was not asked.
     image_answers: Mapping[str, str | None] | None = None
+    image_vllm: ImageVllm | None = None  # what the image's vLLM said of itself (head only)
     fabric: FabricFacts | None = None
     weights_bytes: int | None = None  # the model directory's safetensors, in all
     entrypoint: ImageEntrypoint | None = None  # the image's (read on the head only)
@@ -177,6 +181,7 @@ def preflight_node(run: Run, name: str) -> NodeFacts:
         waited_s=waited,
         fabric_ip_local=local,
         image_answers=facts.answers if facts and asks_the_image(config) else None,
+        image_vllm=facts.vllm if facts else None,
         fabric=fabric,
         weights_bytes=manifest.weights_bytes if manifest.present else None,
         entrypoint=facts.entrypoint if facts else None,
@@ -251,6 +256,8 @@ def preflight_problems(
             and (refused := refusal(config, f.image_answers))
         ):
             problems.append(f"{f.node}: {refused}")
+        if not copied and (refused := loader_refusal(config, f.image_vllm)):
+            problems.append(f"{f.node}: {refused}")
         if f.fabric is not None and not f.fabric.rdma_checked:
             problems.append(f"{f.node}: {'; '.join(f.fabric.problems())}")
         if f.fabric is not None:
@@ -320,7 +327,8 @@ def _roce_ports(run: Run, facts: NodeFacts) -> tuple[Port, ...]:
 
 def launch_plan(run: Run, facts: list[NodeFacts]) -> LaunchPlan:
     """The launch plan for what preflight found: the backend chosen from the image's answers
-    (``[vllm] backend``), each node's fabric, the image's ENTRYPOINT."""
+    (``[vllm] backend``), the loader from its vLLM's (``[vllm] load_format``), each node's
+    fabric, the image's ENTRYPOINT."""
     config = run.config
     head = next(f for f in facts if f.node == config.head.name)
     fabric = {
@@ -329,7 +337,8 @@ def launch_plan(run: Run, facts: list[NodeFacts]) -> LaunchPlan:
         if f.fabric is not None
     }
     backend, why = choose(config, head.image_answers or {})
-    return plan_for(backend, config, fabric, why, head.entrypoint)
+    loader = choose_loader(config, head.image_vllm)
+    return plan_for(backend, config, fabric, why, head.entrypoint, loader)
 
 
 def judge_preflight(run: Run, facts: list[NodeFacts], plan: LaunchPlan) -> None:

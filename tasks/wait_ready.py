@@ -13,7 +13,7 @@ before vLLM's own 600 s rendezvous timeout.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 from prefect import task
@@ -39,6 +39,7 @@ from vllm_redeploy.parsers.vllm_log import (
     compile_cache_state,
     last_load_progress,
     tail_for_people,
+    weights_load_s,
 )
 from vllm_redeploy.safe_text import block, shown
 from vllm_redeploy.summary import StepEvent, report
@@ -68,6 +69,7 @@ class Ready:
     waited_s: float
     version: str | None = None  # vLLM's, from /version or `vllm --version` in the engine
     compile: CompileCache | None = None  # warm or cold, as the engine's log says
+    weights_s: float | None = None  # vLLM's own "Loading weights took N seconds"
 
 
 # Not cached: readiness is only true now, and the engine it watches is this run's.
@@ -104,12 +106,14 @@ def wait_until_ready(run: Run, plan: LaunchPlan) -> Ready:
             if listed is not None and want in listed:
                 progress.set(100.0)
                 waited = time.monotonic() - started
-                shards = last_load.total if last_load else 0
-                report(StepEvent(STEP, "loading", load=LoadProgress(100, shards, shards)))
+                done = _finished(last_load)
+                report(StepEvent(STEP, "loading", load=done))
                 log().info("%s is served at %s after %.1f s", want, url, waited)
                 version = engine_version(client, url, docker.exec_runner(name))
-                compiled = compile_cache_state(docker.log_head(name))
-                return Ready(listed, waited, version, compiled)
+                head = docker.log_head(name)
+                return Ready(
+                    listed, waited, version, compile_cache_state(head), weights_load_s(head)
+                )
             if listed:  # vLLM answers only once loaded, and its served names are fixed for life
                 raise StepFailed(
                     STEP,
@@ -158,9 +162,7 @@ def wait_until_ready(run: Run, plan: LaunchPlan) -> Ready:
                     last_load = load
                     progress.set(float(load.percent))
                     report(StepEvent(STEP, "loading", load=load))
-                    log().info(
-                        "loading weights: %d%% (%d/%d shards)", load.percent, load.done, load.total
-                    )
+                    log().info("loading weights: %d%% (%s)", load.percent, load.words())
             if now - started >= deadline_s:
                 tail = _tail(docker, name, LOG_TAIL_LINES)
                 missing = rendezvous.missing_text() if rendezvous else ""
@@ -170,6 +172,14 @@ def wait_until_ready(run: Run, plan: LaunchPlan) -> Ready:
                     f"Last log lines:\n{block(tail)}",
                 )
             time.sleep(POLL_S)
+
+
+def _finished(last: LoadProgress | None) -> LoadProgress:
+    """The bar at its end: the last one seen, at 100 %."""
+    if last is None:
+        return LoadProgress(100, 0, 0)
+    total = last.amount.partition("/")[2]
+    return replace(last, percent=100, done=last.total, amount=total and f"{total}/{total}")
 
 
 def _exited(run: Run, member: Member, info: object, after_s: float) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -302,6 +303,37 @@ def test_vllm_refuses_while_page_cache_holds_memory_and_starts_after_a_drop(
     # The process is gone: the node's watcher shows its memory back.
     wait_until(lambda: memory.usage().held == {}, 5, "the engine's memory released")
     assert meminfo(access["node-1"])["MemAvailable"] > 100 * GIB
+
+
+def test_instanttensor_reads_past_the_page_cache_and_a_missing_loader_fails_the_load(
+    bed: TestBed, access: dict[str, NodeAccess], config: ClusterConfig
+) -> None:
+    """InstantTensor's direct I/O leaves the node's page cache as it was (the default loader's
+    run above fills it); a loader the image's Python lacks fails as vLLM fails it."""
+    memory, docker = bed.node("node-1").memory, access["node-1"].docker
+    drop_caches(access["node-1"], config)
+    wait_until(lambda: memory.cached_kib() < GIB, 5, "page cache dropped")
+    spec, _ = standin_spec(config, 0.75)
+    spec = replace(
+        spec, image=image.LOADERS_IMAGE, command=[*spec.command, "--load-format", "instanttensor"]
+    )
+    docker.run_detached(spec)
+    try:
+        log = wait_started_or_exited(docker, spec.name)
+        assert STARTED in log and "Loading safetensors using InstantTensor loader: 100%" in log
+        loaded = memory.usage()
+        assert loaded.cached_kib < GIB, loaded  # nothing of the weights went through it
+        held = loaded.used_kib - sum(loaded.state.used.values())
+        assert held == int(0.75 * 124_610 * 1024)  # the weights and the KV cache, as before
+    finally:
+        docker.remove(spec.name)
+    spec, _ = standin_spec(config, 0.75)  # the bed's own image: no fast loader in its Python
+    spec = replace(spec, command=[*spec.command, "--load-format", "fastsafetensors"])
+    code, log = docker.run_to_completion(spec, timeout_s=60)
+    assert code == 1 and "in fastsafetensors_weights_iterator" in log
+    assert (
+        "ImportError: Please install fastsafetensors via `pip install vllm[fastsafetensors]`" in log
+    )
 
 
 @pytest.mark.parametrize(

@@ -327,7 +327,8 @@ def test_an_image_without_ray_fails_preflight_and_starts_nothing(plain_bed: Test
     "tag", [image.VLLM_OPENAI_IMAGE, image.NGC_IMAGE], ids=["vllm-openai", "ngc"]
 )
 def test_the_cluster_serves_from_an_image_with_an_entrypoint(serve_bed: TestBed, tag: str) -> None:
-    state = run_flow(serve_bed, tag)
+    # Ray's, named: its two kinds of container (auto would take mp: these vLLMs have --nnodes).
+    state = run_flow(serve_bed, tag, backend="ray")
     assert state.is_completed(), failure(state)
     assert state.result()["probe"]["healthy"]
     verdict = run_probe(f"http://{serve_bed.nodes[0].ip}:30000", SERVED_NAME, "Hi.", 50, 0.0, 10)

@@ -129,6 +129,10 @@ def test_prometheus_scrapes_what_the_watcher_sees_and_a_killed_engine_shows_in_t
             assert {r["metric"]["step"]: float(r["value"][1]) for r in steps} == ran
             probe = until(api, f"vllm_redeploy_probe_latency_seconds{on}", 5)
             assert float(probe[0]["value"][1]) == round(state.result()["probe"]["elapsed_s"], 3)
+            # vLLM's own time for the weights, by the loader that read them (the stand-in's
+            # image has no fast loader: vLLM's default).
+            (weights,) = until(api, f"vllm_redeploy_weights_load_seconds{on}", 5)
+            assert weights["metric"]["loader"] == "default" and float(weights["value"][1]) > 0
             scrape = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
             keep_for_notes("metrics-scrape", scrape)
             assert now_view(prefect_api).startswith(f"# {CLUSTER} now: healthy")

@@ -38,8 +38,11 @@ def test_a_look_and_a_run_become_series_with_few_labels() -> None:
     metrics.looked("pair", LookFacts("healthy", frozenset(), 0, 1_700_000_015.0, 0.3, {}, None))
     metrics.ran(
         "pair",
-        RunFacts(False, 1_699_999_000.0, 95.0, 80.0, 2, {"preflight": 1.5, "probe": 0.5}, 0.4),
-    )
+        RunFacts(
+            False, 1_699_999_000.0, 95.0, 80.0, 2, {"preflight": 1.5, "probe": 0.5}, 0.4,
+            ("instanttensor", 412.5),
+        ),
+    )  # fmt: skip
     found = scraped(metrics)
     cluster = (("cluster", "pair"),)
 
@@ -60,6 +63,7 @@ def test_a_look_and_a_run_become_series_with_few_labels() -> None:
     assert one("vllm_redeploy_served_run_step_duration_seconds", step="preflight") == 1.5
     assert one("vllm_redeploy_served_run_step_duration_seconds", step="probe") == 0.5
     assert found[("vllm_redeploy_probe_latency_seconds", cluster)] == 0.4
+    assert one("vllm_redeploy_weights_load_seconds", loader="instanttensor") == 412.5
 
 
 def test_the_engines_figures_are_relayed_under_the_clusters_label() -> None:

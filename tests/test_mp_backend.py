@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -32,6 +33,7 @@ from vllm_redeploy.launch.choose import BACKENDS, register
 from vllm_redeploy.launch.group import LABEL_BACKEND
 from vllm_redeploy.nodes.containers import LABEL_MANAGED
 from vllm_redeploy.status import collect_status
+from vllm_redeploy.summary import StepEvent, listening
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 CLI = Path(sys.executable).parent / "vllm-redeploy"
@@ -103,7 +105,7 @@ def test_mp_serves_after_a_reboot_with_the_old_stack_back(mp_bed: TestBed, nodes
     ]
     assert result["probe"]["healthy"] and result["probe"]["finish_reason"] == "length"
     assert (
-        "- backend mp (the image carries no Ray; vLLM's own multi-node launcher)"
+        "- backend mp (the image's vLLM has --nnodes; vLLM's own multi-node launcher)"
         in (result["summary"])
     )
     running = ours(mp_bed)
@@ -120,13 +122,109 @@ def test_mp_serves_after_a_reboot_with_the_old_stack_back(mp_bed: TestBed, nodes
         assert follower.labels[LABEL_BACKEND] == "mp"
 
 
-def test_auto_picks_ray_when_the_image_carries_it(mp_bed: TestBed) -> None:
-    path = cluster(mp_bed, 2, "auto-ray", vllm={"image": image.BED_IMAGE})
+def test_auto_takes_mp_on_an_image_with_ray_and_ray_only_for_a_vllm_without_nnodes(
+    mp_bed: TestBed,
+) -> None:
+    """An image that carries Ray and whose vLLM has --nnodes takes vLLM's own launcher (no Ray
+    to start); one whose vLLM predates it (0.10: its help lists no --nnodes) takes Ray."""
+    path = cluster(mp_bed, 2, "auto-ray-image", vllm={"image": image.BED_IMAGE})
     state = redeploy_vllm_cluster(str(path), return_state=True)
+    assert state.is_completed(), state.result(raise_on_failure=False)
+    result = state.result()
+    assert "ray-head" not in result["steps"] and "launch-vllm" in result["steps"]
+    assert (
+        "- backend mp (the image's vLLM has --nnodes; vLLM's own multi-node launcher)"
+        in result["summary"]
+    )
+    old = {"image": image.BED_IMAGE, "env": {"VRD_VLLM_VERSION": "0.10.2"}}
+    state = redeploy_vllm_cluster(str(cluster(mp_bed, 2, "auto-old", vllm=old)), return_state=True)
     assert state.is_completed(), state.result(raise_on_failure=False)
     result = state.result()
     assert "ray-head" in result["steps"] and "cluster-check" in result["steps"]
     assert "- backend ray (the image carries Ray at " in result["summary"]
+
+
+def test_a_ray_group_started_before_auto_took_mp_is_kept_by_ensure(mp_bed: TestBed) -> None:
+    """Upgrading vllm-redeploy alone replaces nothing: a Ray group that auto chose before it
+    preferred vLLM's own launcher (the registry's order then: Ray first) keeps serving."""
+    path = cluster(mp_bed, 2, "auto-upgrade", vllm={"image": image.BED_IMAGE})
+    now = dict(BACKENDS)
+    BACKENDS.clear()
+    BACKENDS.update({"ray": now["ray"], "mp": now["mp"]})
+    try:
+        state = redeploy_vllm_cluster(str(path), return_state=True)
+    finally:
+        BACKENDS.clear()
+        BACKENDS.update(now)
+    assert state.is_completed(), state.result(raise_on_failure=False)
+    assert "- backend ray (the image carries Ray at " in state.result()["summary"]
+    before = running_ids(mp_bed)
+    state = redeploy_vllm_cluster(str(path), "ensure", return_state=True)
+    assert state.result()["action"] == "already healthy: nothing changed", state.result()
+    assert running_ids(mp_bed) == before
+
+
+def running_ids(bed: TestBed) -> dict[str, str]:
+    """Our running containers' IDs, by name and node: what a redeploy would replace."""
+    found = {}
+    for node in bed.nodes:
+        with contextlib.closing(node.engine.client()) as client:
+            for c in client.containers.list(filters={"label": LABEL_MANAGED}):
+                found[f"{node.name}/{c.name}"] = c.id
+    return found
+
+
+def served_args(bed: TestBed, node: int, name: str) -> list[str]:
+    with contextlib.closing(bed.nodes[node].engine.client()) as client:
+        return list(client.containers.get(name).attrs["Config"]["Cmd"])
+
+
+def test_auto_loads_with_the_fastest_loader_the_image_has(mp_bed: TestBed) -> None:
+    """An image whose Python has InstantTensor and fastsafetensors loads with InstantTensor,
+    on every rank's command line; wait-ready follows its bar (in bytes) and the summary says
+    which loader and vLLM's own time for the weights."""
+    seen: list[StepEvent] = []
+    slow = {"image": image.LOADERS_IMAGE, "env": {"VRD_LOAD_SECONDS": "12"}}
+    with listening(seen.append):
+        state = redeploy_vllm_cluster(
+            str(cluster(mp_bed, 2, "instanttensor", vllm=slow)), return_state=True
+        )
+    assert state.is_completed(), state.result(raise_on_failure=False)
+    summary = state.result()["summary"]
+    assert "- loader instanttensor (auto: the image has it)" in summary
+    assert re.search(r"- weights loaded in \d+\.\d s \(vLLM's own time\)", summary), summary
+    for node, name in ((0, "vllm-redeploy-bed-engine"), (1, "vllm-redeploy-bed-follower")):
+        args = served_args(mp_bed, node, name)
+        assert args[args.index("--load-format") + 1] == "instanttensor"
+    loads = [e.load for e in seen if e.state == "loading" and e.load is not None]
+    moving = [load for load in loads if 0 < load.percent < 100]
+    assert moving and all(load.loader == "instanttensor" and load.amount for load in moving)
+    assert loads[-1].percent == 100, loads
+
+
+def test_fastsafetensors_alone_or_a_load_format_in_extra_args(mp_bed: TestBed) -> None:
+    """An image with fastsafetensors only (and Ray) loads with it; a --load-format in
+    extra_args wins over auto and is passed once."""
+    path = cluster(mp_bed, 2, "fastsafetensors", vllm={"image": image.FASTSAFETENSORS_IMAGE})
+    state = redeploy_vllm_cluster(str(path), return_state=True)
+    assert state.is_completed(), state.result(raise_on_failure=False)
+    summary = state.result()["summary"]
+    assert "- loader fastsafetensors (auto: the image has it)" in summary
+    assert "- backend mp (the image's vLLM has --nnodes" in summary
+    args = served_args(mp_bed, 0, "vllm-redeploy-bed-engine")
+    assert args[args.index("--load-format") + 1] == "fastsafetensors"
+    given = {"image": image.LOADERS_IMAGE, "extra_args": ["--load-format", "safetensors"]}
+    state = redeploy_vllm_cluster(
+        str(cluster(mp_bed, 2, "extra-loader", vllm=given)), return_state=True
+    )
+    assert state.is_completed(), state.result(raise_on_failure=False)
+    # (markdown's own characters escaped, as the summary shows every foreign word)
+    assert (
+        "- loader safetensors (from \\[vllm\\] extra\\_args, which wins)"
+        in state.result()["summary"]
+    )
+    args = served_args(mp_bed, 0, "vllm-redeploy-bed-engine")
+    assert args.count("--load-format") == 1 and "instanttensor" not in args
 
 
 def test_ray_on_an_image_without_ray_fails_preflight_with_the_fix(mp_bed: TestBed) -> None:

@@ -201,18 +201,28 @@ def with_backend(name: str) -> ClusterConfig:
     return config.model_copy(update={"vllm": config.vllm.model_copy(update={"backend": name})})
 
 
-def test_auto_takes_ray_where_the_image_carries_it_and_mp_elsewhere() -> None:
+def test_auto_takes_mp_where_the_images_vllm_has_nnodes_and_ray_only_for_one_without() -> None:
     auto = with_backend("auto")
-    assert asks_the_image(auto) and not asks_the_image(with_backend("mp"))
-    assert choose(auto, {"ray": "/usr/local/bin/ray"}) == (
+    assert asks_the_image(auto) and asks_the_image(with_backend("mp"))
+    both = {"mp": "--nnodes", "ray": "/usr/local/bin/ray"}
+    assert choose(auto, both) == (
+        "mp",
+        "mp (the image's vLLM has --nnodes; vLLM's own multi-node launcher)",
+    )
+    assert choose(auto, {**both, "mp": ""}) == (
         "ray",
         "ray (the image carries Ray at /usr/local/bin/ray)",
     )
-    no_ray = ("mp", "mp (the image carries no Ray; vLLM's own multi-node launcher)")
-    assert choose(auto, {"ray": None}) == no_ray and choose(auto, {}) == no_ray
+    with pytest.raises(ValueError, match="the image's vLLM has no --nnodes; the image carries no"):
+        choose(auto, {"mp": "", "ray": None})
+    # A vLLM that could not print its help: the launcher every vLLM image runs, as before.
+    assert choose(auto, {"mp": None, "ray": "/usr/local/bin/ray"}) == (
+        "mp",
+        "mp (the image's vLLM did not answer `vllm serve --help`; vLLM's own multi-node launcher)",
+    )
     assert candidates(auto) == [
+        ("mp", "mp (if the image's vLLM has --nnodes; vLLM's own multi-node launcher)"),
         ("ray", "ray (if the image carries Ray)"),
-        ("mp", "mp (if the image carries no Ray; vLLM's own multi-node launcher)"),
     ]
     assert choose(with_backend("mp"), {}) == (
         "mp",
@@ -226,22 +236,26 @@ def test_each_backend_refuses_an_image_it_cannot_run_on() -> None:
     refused = refusal(ray_only, {"ray": None})
     assert refused is not None and refused.startswith("`ray` does not run in image")
     assert 'set backend = "mp"' in refused
-    assert refusal(with_backend("mp"), {}) is None and refusal(with_backend("auto"), {}) is None
+    mp_only = with_backend("mp")
+    refused = refusal(mp_only, {"mp": ""})
+    assert refused is not None and "has no --nnodes" in refused and 'Set backend = "ray"' in refused
+    assert refusal(mp_only, {"mp": "--nnodes"}) is None and refusal(mp_only, {"mp": None}) is None
+    assert refusal(with_backend("auto"), {}) is None
 
 
 def test_a_name_the_registry_does_not_hold_is_a_configuration_problem() -> None:
     assert backend_problem(with_backend("mp")) is None
     unknown = with_backend("torchrun")
     assert backend_problem(unknown) == (
-        "vllm.backend: Input should be 'auto', 'ray' or 'mp' (got 'torchrun')"
+        "vllm.backend: Input should be 'auto', 'mp' or 'ray' (got 'torchrun')"
     )
     with pytest.raises(ValueError, match="got 'torchrun'"):
         choose(unknown, {})
 
 
 def test_a_registered_backend_takes_its_place_in_autos_order() -> None:
-    """One that asks the image goes before mp, which runs on any image; one that asks nothing
-    after it, where only a configuration that names it reaches it."""
+    """One that asks the image goes after those that ask already; one that asks nothing last,
+    where only a configuration that names it reaches it."""
 
     class Asks(Backend):
         name, condition, absent = "asks", "the image carries X", "the image carries no X"
@@ -255,12 +269,26 @@ def test_a_registered_backend_takes_its_place_in_autos_order() -> None:
     try:
         register(Asks())
         register(Named())
-        assert list(BACKENDS) == ["ray", "asks", "mp", "named"]
+        assert list(BACKENDS) == ["mp", "ray", "asks", "named"]
         auto = with_backend("auto")
-        assert choose(auto, {"asks": "/x"}) == ("asks", "asks (the image carries X at /x)")
-        assert choose(auto, {})[0] == "mp"
+        absent = {"mp": "", "ray": None}
+        assert choose(auto, {**absent, "asks": "/x"}) == (
+            "asks",
+            "asks (the image carries X at /x)",
+        )
+        with pytest.raises(ValueError, match="the image carries no X"):  # never "named"
+            choose(auto, absent)
         assert backend_problem(with_backend("named")) is None
     finally:
         BACKENDS.pop("asks", None)
         BACKENDS.pop("named", None)
-    assert list(BACKENDS) == ["ray", "mp"]
+    assert list(BACKENDS) == ["mp", "ray"]
+
+
+def test_the_example_keeps_the_fingerprint_earlier_releases_stamped() -> None:
+    """A group started by an earlier vllm-redeploy is not replaced by an upgrade alone: the
+    example's fingerprints as 2fe36d2 (before [vllm] load_format and auto's new order)
+    computed them. auto's loader choice is the run's, never the fingerprint's."""
+    config = example()
+    assert launch_fingerprint(config, "ray") == "b36478a5b0fb92d4"
+    assert launch_fingerprint(config, "mp") == "1f709343dfe721ff"

@@ -12,6 +12,7 @@ each fault took is kept in tests/output/real-vllm-*.md for the team's notes."""
 from __future__ import annotations
 
 import contextlib
+import re
 import subprocess
 import threading
 import time
@@ -104,6 +105,15 @@ def test_the_readme_scenario_on_the_real_engine(real_bed: TestBed, path: Path) -
     assert result["probe"]["healthy"], result["probe"]
     # What the real engine said of itself, read by the product from /version.
     assert f"vLLM {real_vllm.VERSION}" in result["summary"]
+    # Its help was asked: it takes --nnodes and no fast loader imports in its image, so it loads
+    # with its own default and says how long that took ("Loading weights took N seconds").
+    assert "- backend mp (the image's vLLM has --nnodes" in result["summary"]
+    assert (
+        "- loader vLLM's default loader (auto: the image's Python does not import instanttensor; "
+        "the image's Python does not import fastsafetensors)" in result["summary"]
+    )
+    assert re.search(r"- weights loaded in \d+\.\d s \(vLLM's own time\)", result["summary"])
+    assert "--load-format" not in container(real_bed, 0, LEADER).attrs["Config"]["Cmd"]
     # The answer our user sees from a thinking model, from the real reasoning parser.
     answer = chat(real_bed).json()["choices"][0]
     assert answer["message"]["content"] is None and answer["finish_reason"] == "length", answer

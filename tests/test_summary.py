@@ -82,6 +82,8 @@ def full_run(**changes: Any) -> RunSummary:
         image_id="sha256:3ae83e92db0d5c7e1b2f",
         vllm_version="0.19.0",
         load_s=908.4,
+        loader="instanttensor (auto: the image has it)",
+        weights_s=842.13,
         probe=judge(200, completion({"content": None, "reasoning": THINKING}), 3.87),
     )
     for key, value in changes.items():
@@ -113,6 +115,9 @@ def test_summary_of_a_redeploy_with_a_reasoning_only_probe() -> None:
     assert "- vLLM 0.19.0" in lines
     assert "- `Qwen3.5-122B-A10B-FP8` served at http://192.168.200.12:30000/v1" in lines
     assert "- loaded in 908.4 s" in lines
+    # which loader read the weights, why, and how long vLLM itself says it took
+    assert "- loader instanttensor (auto: the image has it)" in lines
+    assert "- weights loaded in 842.1 s (vLLM's own time)" in lines
     # the verdict, and the first words of the reasoning (markdown in them shown as written)
     assert "- healthy: reasoning only: the token budget ended inside thinking" in lines
     assert "- finish_reason `length`, 3.87 s" in lines

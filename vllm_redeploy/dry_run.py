@@ -18,6 +18,7 @@ from vllm_redeploy.launch import (
     plan_for,
 )
 from vllm_redeploy.launch.choose import AUTO, AUTO_NOTE
+from vllm_redeploy.launch.loader import planned_words
 from vllm_redeploy.masking import MASK
 from vllm_redeploy.memory import DROP_SCRIPT
 from vllm_redeploy.nodes import NodeAccess, RemoteError, fan_out, render_command
@@ -77,6 +78,7 @@ def plan_lines(config: ClusterConfig, inspect_nodes: bool = True) -> list[str]:
         lines += _node_lines(config, node, seen.get(node.name), fabric.get(node.name))
     if config.vllm.backend == AUTO:
         lines.append(f"\n{AUTO_NOTE}")
+    lines.append(f"\nweights loader: {planned_words(config)}")
     head = seen.get(config.head.name)
     entrypoint = head.value.entrypoint if head is not None and head.value is not None else None
     for backend, why in candidates(config):

@@ -95,15 +95,19 @@ def ready_event(
     steps: dict[str, float],
     transport: dict[str, Any] | None = None,
     probe_s: float | None = None,
+    weights: tuple[str, float] | None = None,
 ) -> dict[str, Any]:
     """Arguments of ``prefect.events.emit_event`` for a run that ended with the model serving;
     ``transport``: what NCCL used between the nodes, per node (``TransportVerdict.as_dict``);
-    ``probe_s``: how long the probe's answer took."""
+    ``probe_s``: how long the probe's answer took; ``weights``: the loader that read the
+    weights and vLLM's own time for it, when this run loaded them."""
     payload: dict[str, Any] = {"mode": mode, "action": action, "steps": steps}
     if transport is not None:
         payload["transport"] = transport
     if probe_s is not None:
         payload["probe_s"] = round(probe_s, 3)
+    if weights is not None:
+        payload["loader"], payload["weights_s"] = weights[0], round(weights[1], 2)
     return {"event": EVENT_READY, "resource": cluster_resource(cluster), "payload": payload}
 
 

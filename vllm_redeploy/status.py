@@ -26,6 +26,7 @@ from vllm_redeploy.launch import (
     ENGINE_ROLE,
     LABEL_BACKEND,
     LABEL_LAUNCH,
+    LABEL_LOADER,
     LaunchPlan,
     assumed,
     engine_container,
@@ -54,6 +55,7 @@ class ContainerStatus:
     exit_code: int | None = None
     launch: str | None = None  # the launch fingerprint it was started with
     backend: str | None = None  # ray or mp
+    loader: str | None = None  # the weight loader it was started with, and why
 
 
 @dataclass(frozen=True)
@@ -119,12 +121,18 @@ class ClusterStatus:
     def backend(self) -> str | None:
         return next((c.backend for n in self.nodes for c in n.containers if c.backend), None)
 
+    @property
+    def loader(self) -> str | None:
+        """The loader the engine was started with (the run's choice, as labelled)."""
+        return self.engine.loader if self.engine else None
+
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["healthy"] = self.healthy
         data["endpoint"]["served"] = self.endpoint_serves
         data["endpoint"]["engine"] = asdict(self.engine) if self.engine else None
         data["backend"] = self.backend
+        data["loader"] = self.loader
         data["transport"] = self.transport.as_dict() if self.transport else None
         return data
 
@@ -235,6 +243,7 @@ def _containers(
             c.exit_code,
             c.labels.get(LABEL_LAUNCH),
             c.labels.get(LABEL_BACKEND),
+            c.labels.get(LABEL_LOADER) or None,
         )
         for c in sorted(found, key=lambda c: c.name)
     ]

@@ -76,6 +76,9 @@ class RunSummary:
     image_id: str | None = None
     vllm_version: str | None = None
     load_s: float | None = None
+    loader: str | None = None  # the weight loader and why it was chosen
+    load_format: str | None = None  # the loader's name ("default": vLLM's own)
+    weights_s: float | None = None  # vLLM's own "Loading weights took N seconds"
     compile_cache: str | None = None  # where the caches live, and warm or cold at this start
     probe: ProbeVerdict | None = None
     synced: Sequence[Copied] = ()  # what the sync step copied, per target and kind
@@ -230,8 +233,12 @@ def _vllm_section(summary: RunSummary) -> list[str]:
         items.append(f"vLLM {summary.vllm_version}")
     if summary.model and summary.endpoint and summary.load_s is not None:
         items.append(f"`{summary.model}` served at {summary.endpoint}")
+    if summary.loader:
+        items.append(f"loader {_literal(summary.loader)}")
     if summary.load_s is not None:
         items.append(f"loaded in {summary.load_s:.1f} s")
+    if summary.weights_s is not None:
+        items.append(f"weights loaded in {summary.weights_s:.1f} s (vLLM's own time)")
     if summary.compile_cache:
         items.append(f"compile cache {summary.compile_cache}")
     if not items:

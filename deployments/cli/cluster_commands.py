@@ -40,6 +40,7 @@ from vllm_redeploy.config.launch import API_KEY_SECRET
 from vllm_redeploy.config.toml_text import is_header, toml_document
 from vllm_redeploy.endpoint import api_base, api_key
 from vllm_redeploy.gpus import GpuReport, inspect_gpus
+from vllm_redeploy.launch import planned_words
 from vllm_redeploy.nodes import NodeAccess, check_nodes, fan_out
 from vllm_redeploy.probe import run_probe
 from vllm_redeploy.safe_text import for_terminal, shown
@@ -103,7 +104,10 @@ def check_config(config: ConfigOption = Path("cluster.toml"), as_json: JsonOptio
 def settings_toml(cluster: ClusterConfig) -> list[str]:
     """Every key of every section, resolved, as TOML that can be pasted into a configuration
     file (secrets masked, as comments); the sections are the model's, so a new one shows up."""
-    derived = f"# head: {cluster.head.name}; served model name: {cluster.vllm.served_name}"
+    derived = (
+        f"# head: {cluster.head.name}; served model name: {cluster.vllm.served_name}; "
+        f"weights loader: {planned_words(cluster)}"
+    )
     secrets = frozenset(SECRET_KEYS)
     return [
         "# the resolved configuration (TOML; secrets masked):",

@@ -355,7 +355,8 @@ class StepView:
             load: RenderableType = ""
             if row.load is not None:
                 bar = ProgressBar(total=100, completed=row.load.percent, width=30)
-                shards = f" {row.load.done}/{row.load.total} shards" if row.load.total else ""
+                shown = row.load.total or row.load.amount
+                shards = f" {row.load.words()}" if shown else ""
                 load = Columns([bar, Text(f"{row.load.percent:3d}%{shards}")])
             elif row.copies and row.state == "running":
                 load = Text("\n".join(row.copies.values()))

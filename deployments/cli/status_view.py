@@ -168,6 +168,7 @@ def print_status(
     rows = [
         ("endpoint", markup_safe(e.url)),
         ("backend", markup_safe(report.backend or "-")),
+        ("loader", markup_safe(report.loader or "-")),
         ("transport", _transport_cell(report)),
         ("model", model),
         ("health", "[green]200[/]" if e.health == 200 else f"[red]{e.health or 'no answer'}[/]"),

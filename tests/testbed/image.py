@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.testbed import real_vllm
+from tests.testbed.standins import loaders
 
 REPO = Path(__file__).resolve().parents[2]
 VENV = Path(sys.prefix)
@@ -33,6 +34,12 @@ BED_IMAGE = "vrd-bed/vllm-ray:1"  # a community build: no ENTRYPOINT, Ray instal
 VLLM_OPENAI_IMAGE = "vrd-bed/vllm-openai:1"
 NGC_IMAGE = "vrd-bed/ngc-vllm:1"
 NO_RAY_IMAGE = "vrd-bed/vllm-openai-noray:1"
+# Images whose Python has the fast weight loaders (stand-in packages: tests/testbed/standins/
+# loaders.py reads --load-format against them): both, as eugr's spark-vllm-docker image installs
+# them, without Ray; and fastsafetensors alone, with Ray.
+LOADERS_IMAGE = "vrd-bed/vllm-loaders:1"
+FASTSAFETENSORS_IMAGE = "vrd-bed/vllm-fastsafetensors-ray:1"
+LOADERS_DIR = "/opt/vrd/loaders"  # one directory per loader, each holding its package
 OLD_STACK_IMAGE = "vrd-bed/old-stack:1"  # busybox: what the previous model's stack runs
 OLD_STACK_UNIT = "glm-server.service"  # what the previous stack starts at boot
 NGC_ENTRYPOINT = "/opt/nvidia/nvidia_entrypoint.sh"
@@ -53,9 +60,13 @@ class BedImage:
     ray: bool  # Ray runs in it: `ray` on PATH and `import ray` in its Python
     bin_dir: str | None = None  # first on PATH: where its `vllm` is (default: the stand-in's)
     env: tuple[str, ...] = ()  # more ENV lines: KEY=VALUE
+    loaders: tuple[str, ...] = ()  # the fast weight loaders its Python imports
 
     def changes(self) -> list[str]:
         changes = image_changes(self.ray, self.bin_dir) + [f"ENV {e}" for e in self.env]
+        if self.loaders:
+            paths = ":".join(f"{LOADERS_DIR}/{name}" for name in self.loaders)
+            changes.append(f"ENV PYTHONPATH={REPO}:{paths}")
         if self.entrypoint is not None:
             changes.append(f"ENTRYPOINT {json.dumps(list(self.entrypoint))}")
         return changes
@@ -68,6 +79,10 @@ BED_IMAGES = (
     # reaches it (VRD_NEEDS_LIBRARY, a stand-in knob).
     BedImage(NGC_IMAGE, (NGC_ENTRYPOINT,), ray=True, env=(f"VRD_NEEDS_LIBRARY={CUDA_COMPAT}",)),
     BedImage(NO_RAY_IMAGE, ("vllm", "serve"), ray=False),
+    BedImage(
+        LOADERS_IMAGE, ("vllm", "serve"), ray=False, loaders=("instanttensor", "fastsafetensors")
+    ),
+    BedImage(FASTSAFETENSORS_IMAGE, None, ray=True, loaders=("fastsafetensors",)),
     # The real vLLM (CPU build, tests/testbed/real_vllm.py), mounted from where it is installed.
     BedImage(real_vllm.IMAGE, ("vllm", "serve"), ray=False, bin_dir=str(real_vllm.bin_dir())),
     BedImage(real_vllm.NGC_IMAGE, (NGC_ENTRYPOINT,), ray=False, bin_dir=str(real_vllm.bin_dir())),
@@ -141,6 +156,12 @@ def rootfs() -> bytes:
         bare = f'#!/bin/sh\nexec {PYTHON_HOME}/bin/python3 -S "$@"\n'
         _file(tar, f"{NO_RAY_BIN.lstrip('/')}/python3", bare.encode(), 0o755)
         _file(tar, NGC_ENTRYPOINT.lstrip("/"), NGC_SCRIPT.read_bytes(), 0o755)
+        _dir(tar, LOADERS_DIR.lstrip("/"), 0o755)
+        for name in loaders.FAST:
+            package = f"{LOADERS_DIR.lstrip('/')}/{name}/{name}"
+            _dir(tar, package.rsplit("/", 1)[0], 0o755)
+            _dir(tar, package, 0o755)
+            _file(tar, f"{package}/__init__.py", b'"""A stand-in: imports, loads nothing."""\n')
         _dir(tar, "opt/nvidia/entrypoint.d", 0o755)
         for part in sorted((NGC_FIXTURES / "entrypoint.d").iterdir()):
             _file(tar, f"opt/nvidia/entrypoint.d/{part.name}", part.read_bytes(), 0o644)

@@ -153,11 +153,18 @@ class VLLMConfig(Section):
     backend: Name = Field(
         "auto",
         description="How the ranks on several nodes find each other: ray (a Ray cluster, the "
-        "image must carry Ray), mp (vLLM's own --nnodes launcher, no Ray needed), or auto: ray "
-        "when the image carries Ray, mp otherwise.",
+        "image must carry Ray), mp (vLLM's own --nnodes launcher, no Ray needed), or auto: mp "
+        "when the image's vLLM has --nnodes, ray otherwise (when the image carries Ray).",
     )
     master_port: Port = Field(
         29501, description="mp backend: the rendezvous port on the head (--master-port)."
+    )
+    load_format: Name = Field(
+        "auto",
+        description="--load-format: how the engine reads the weights. auto: instanttensor when "
+        "the image's vLLM accepts it and its Python imports it, else fastsafetensors, else "
+        "vLLM's own default; default: vLLM's own; or any name vLLM accepts. A --load-format in "
+        "extra_args wins.",
     )
     tensor_parallel_size: int = Field(1, ge=1, description="--tensor-parallel-size.")
     pipeline_parallel_size: int = Field(1, ge=1, description="--pipeline-parallel-size.")

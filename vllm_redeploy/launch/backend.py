@@ -53,6 +53,7 @@ class Backend:
     # that asks nothing (it runs on any image, so auto takes it last).
     condition: str = ""
     absent: str = ""  # why ``auto`` passed it over ("the image carries no Ray")
+    question_timeout_s: float = 60.0  # how long its one-shot container may take to answer
 
     def plan(
         self, config: ClusterConfig, fabric: Mapping[str, NodeFabric] | None, reason: str

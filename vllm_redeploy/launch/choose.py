@@ -1,14 +1,17 @@
 """The registry of backends and the one rule that picks one.
 
 ``[vllm] backend`` names one, or ``auto``: the first backend, in the registry's order, that
-runs on the image (each asks the image its own question: Ray's, a one-shot container on the
-head, whether `ray` runs there), so Ray where the image carries it, else vLLM's own launcher.
+runs on the image (each asks the image its own question, a one-shot container on the head: mp's,
+whether the image's `vllm serve` has --nnodes; Ray's, whether `ray` runs there), so vLLM's own
+launcher wherever the image's vLLM has it (no Ray to start: up seconds sooner, less memory), and
+Ray only for a vLLM without it.
 A new backend is a subclass of launch/backend.py's Backend, given to :func:`register`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 from vllm_redeploy.config import ClusterConfig
 from vllm_redeploy.launch import mp, ray
@@ -16,12 +19,13 @@ from vllm_redeploy.launch.backend import Backend
 from vllm_redeploy.launch.entrypoint import ImageEntrypoint
 from vllm_redeploy.launch.fingerprint import plan_fingerprint
 from vllm_redeploy.launch.group import NodeFabric
+from vllm_redeploy.launch.loader import Loader, choose_loader
 from vllm_redeploy.launch.plan import LaunchPlan
 
 AUTO = "auto"
 # In auto's order: the first that runs on the image is taken. One that asks nothing runs on
 # any image, so it comes last.
-BACKENDS: dict[str, Backend] = {b.name: b for b in (ray.RAY, mp.MP)}
+BACKENDS: dict[str, Backend] = {b.name: b for b in (mp.MP, ray.RAY)}
 Answers = Mapping[str, str | None]  # each backend's answer, by name, as the image gave it
 
 
@@ -64,6 +68,8 @@ def _named(config: ClusterConfig) -> list[Backend]:
         return [BACKENDS[config.vllm.backend]]
     taken = []
     for backend in BACKENDS.values():
+        if not backend.condition and taken:  # auto never reaches one that asks nothing
+            break
         taken.append(backend)
         if not backend.condition:
             break
@@ -116,13 +122,13 @@ def candidates(config: ClusterConfig) -> list[tuple[str, str]]:
 
 AUTO_NOTE = (
     "backend auto: a one-shot container of the image decides when the run starts "
-    "(ray if Ray runs in it, else mp); both launches follow"
+    "(mp if its vLLM has --nnodes, else ray if Ray runs in it); both launches follow"
 )
 
 
 def assumed(config: ClusterConfig) -> str:
     """The backend when nothing runs to say which: the configured one (auto counts as the
-    first in its order, Ray, the backend our first users' images take)."""
+    first in its order, mp, the backend every vLLM since --nnodes takes)."""
     return _named(config)[0].name
 
 
@@ -139,8 +145,17 @@ def plan_for(
     fabric: Mapping[str, NodeFabric] | None = None,
     why: str = "",
     entrypoint: ImageEntrypoint | None = None,
+    loader: Loader | None = None,
 ) -> LaunchPlan:
-    """The backend's plan for ``config`` and the image's ENTRYPOINT (kept when it runs its
-    arguments), stamped with the launch fingerprint (which depends on the settings alone)."""
-    built = BACKENDS[backend].plan(config, fabric, why).for_image(entrypoint)
-    return built.stamped(launch_fingerprint(config, backend))
+    """The backend's plan for ``config``, the image's ENTRYPOINT (kept when it runs its
+    arguments) and the loader chosen from its vLLM (auto's choice passed as --load-format),
+    stamped with the launch fingerprint (which depends on the settings alone: auto's choice is
+    not in it, so a group keeps its fingerprint when an image gains or loses a loader)."""
+    loader = loader or choose_loader(config, None)
+    chosen = config
+    if config.vllm.load_format == AUTO and loader.argument is not None:
+        vllm = config.vllm.model_copy(update={"load_format": loader.argument})
+        chosen = config.model_copy(update={"vllm": vllm})
+    built = BACKENDS[backend].plan(chosen, fabric, why).for_image(entrypoint)
+    named = replace(built, loader=loader.words, load_format=loader.name or "default")
+    return named.stamped(launch_fingerprint(config, backend))

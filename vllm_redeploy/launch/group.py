@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from vllm_redeploy.config import ClusterConfig, NodeConfig
 from vllm_redeploy.config.launch import API_KEY_VARIABLE
 from vllm_redeploy.launch.caches import cache_env, cache_mounts
+from vllm_redeploy.launch.loader import configured as configured_loader
 from vllm_redeploy.names import container_name
 from vllm_redeploy.nccl_logging import nccl_logging
 from vllm_redeploy.nodes.containers import ContainerSpec, project_labels
@@ -18,6 +19,7 @@ from vllm_redeploy.parsers.fabric import FabricFacts
 
 LABEL_LAUNCH = "io.vllm-redeploy.launch"
 LABEL_BACKEND = "io.vllm-redeploy.backend"
+LABEL_LOADER = "io.vllm-redeploy.loader"  # the weight loader and why, as the run chose it
 # The container that serves the API keeps this role's name on every backend.
 ENGINE_ROLE = "engine"
 # The RDMA devices NCCL opens (the uverbs nodes under it), as NVIDIA's containers get them.
@@ -201,4 +203,6 @@ def serve_args(config: ClusterConfig, executor: str | None = None) -> list[str]:
         args += ["--gpu-memory-utilization", f"{v.gpu_memory_utilization:g}"]
     if v.max_model_len is not None:
         args += ["--max-model-len", str(v.max_model_len)]
+    if loader := configured_loader(config):
+        args += ["--load-format", loader]
     return args

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from vllm_redeploy.config import ClusterConfig, NodeConfig
+from vllm_redeploy.launch import image_vllm
 from vllm_redeploy.launch.backend import Backend
 from vllm_redeploy.launch.group import (
     ENGINE_ROLE,
@@ -34,6 +35,7 @@ from vllm_redeploy.names import container_name
 from vllm_redeploy.nodes.containers import ContainerSpec
 
 BACKEND = "mp"
+NNODES = "--nnodes"  # the image's answer when its `vllm serve` has the launcher
 LEADER_ROLE = "leader"
 FOLLOWER_ROLE = "follower"
 
@@ -110,17 +112,47 @@ def mp_spec(
 
 
 class MpBackend(Backend):
-    """vLLM's own multi-node launcher: `vllm serve` on every node, ranked. Asks the image
-    nothing (every vLLM image has it) and keeps no list of its own: its ranks are the
-    containers."""
+    """vLLM's own multi-node launcher: `vllm serve` on every node, ranked. Asks the image's
+    vLLM whether its `vllm serve` has --nnodes (launch/image_vllm.py: the question that also
+    names its loaders), and keeps no list of its own: its ranks are the containers."""
 
     name = BACKEND
     words = "vLLM's own multi-node launcher"
+    condition = "the image's vLLM has --nnodes"
+    absent = "the image's vLLM has no --nnodes"
+    question_timeout_s = image_vllm.QUESTION_TIMEOUT_S
 
     def plan(
         self, config: ClusterConfig, fabric: Mapping[str, NodeFabric] | None, reason: str
     ) -> LaunchPlan:
         return plan(config, fabric, reason)
+
+    def question(self, config: ClusterConfig) -> ContainerSpec | None:
+        return image_vllm.question_spec(config)
+
+    def answer(self, exit_code: int, output: str) -> str | None:
+        """``--nnodes`` when its serve has it, "" when it answered without, None when its
+        `vllm serve --help` failed (nothing known)."""
+        facts = image_vllm.parse_answer(exit_code, output)
+        if not facts.answered:
+            return None
+        return NNODES if facts.nnodes else ""
+
+    def found(self, answer: str | None) -> str | None:
+        if answer == NNODES:
+            return "the image's vLLM has --nnodes"
+        if answer is None:  # a vLLM that cannot print its help: the launcher that asks nothing
+            return "the image's vLLM did not answer `vllm serve --help`"
+        return None
+
+    def refusal(self, config: ClusterConfig, answer: str | None) -> str | None:
+        if answer != "":
+            return None
+        return (
+            f'the vLLM in image {config.vllm.image} has no --nnodes (backend = "mp"): its own '
+            'multi-node launcher came after it. Set backend = "ray" (the image must carry '
+            "Ray), or use a newer vLLM image"
+        )
 
 
 MP = MpBackend()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from vllm_redeploy.launch.entrypoint import ImageEntrypoint
-from vllm_redeploy.launch.group import LABEL_LAUNCH, NodeFabric, container_argv
+from vllm_redeploy.launch.group import LABEL_LAUNCH, LABEL_LOADER, NodeFabric, container_argv
 from vllm_redeploy.nodes.containers import ContainerSpec
 
 # started: the containers were started (they find each other by themselves);
@@ -64,6 +64,8 @@ class LaunchPlan:
     fingerprint: str = ""
     fabric: Mapping[str, NodeFabric] = field(default_factory=dict)
     entrypoint: ImageEntrypoint | None = None  # the image's, as preflight found it
+    loader: str = ""  # the weight loader and why, for people ("instanttensor (auto: ...)")
+    load_format: str = ""  # the loader's name, for metrics ("default": vLLM's own)
 
     @property
     def api(self) -> Member:
@@ -94,9 +96,10 @@ class LaunchPlan:
 
     def stamped(self, fingerprint: str) -> LaunchPlan:
         """The plan with every container labelled with the configuration's launch fingerprint
-        (what `ensure` and `status` compare with the configuration later)."""
+        (what `ensure` and `status` compare with the configuration later) and the loader."""
+        labels = {LABEL_LAUNCH: fingerprint, LABEL_LOADER: self.loader}
         members = tuple(
-            replace(m, spec=replace(m.spec, labels={**m.spec.labels, LABEL_LAUNCH: fingerprint}))
+            replace(m, spec=replace(m.spec, labels={**m.spec.labels, **labels}))
             for m in self.members
         )
         return replace(self, members=members, fingerprint=fingerprint)

@@ -5,24 +5,60 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-# "Loading safetensors checkpoint shards:  45% Completed | 18/40 [03:01<03:40, ...]"
-_SHARDS = re.compile(r"Loading safetensors checkpoint shards:\s*(\d+)% Completed \|\s*(\d+)/(\d+)")
+# Each loader's tqdm bar, with vLLM's bar_format ("{desc}: {percentage:3.0f}% Completed |
+# {n_fmt}/{total_fmt} [...]"), as vllm/model_executor/model_loader/weight_utils.py writes it:
+#   Loading safetensors checkpoint shards:  45% Completed | 18/40 [03:01<03:40, ...]   (default)
+#   Loading safetensors using Fastsafetensor loader:  50% Completed | 2/4 [...]   (files per rank)
+#   Loading safetensors using InstantTensor loader:  45% Completed | 53.2G/118G [...]   (bytes)
+_BAR = re.compile(
+    r"Loading (?P<desc>safetensors checkpoint shards(?: \(eager\))?|safetensors using "
+    r"(?P<loader>[\w .:-]+?)(?: loader)?|np_cache checkpoint shards):\s*(?P<percent>\d+)% "
+    r"Completed \|\s*(?P<done>[\d.]+[kMGTP]?)/(?P<total>[\d.]+[kMGTP]?)"
+)
+# The bar's words for a loader, as ``--load-format`` names it.
+_LOADERS = {
+    "Fastsafetensor": "fastsafetensors",
+    "InstantTensor": "instanttensor",
+    "Runai Model Streamer": "runai_streamer",
+}
+# vLLM's DefaultModelLoader (and the sharded-state one), whatever the loader.
+_WEIGHTS_TOOK = re.compile(r"Loading weights took ([\d.]+) seconds")
 
 
 @dataclass(frozen=True)
 class LoadProgress:
     percent: int
-    done: int
+    done: int  # shards (or file groups) read; 0 for a bar that counts bytes
     total: int
+    loader: str = ""  # the --load-format whose bar it is; "" for vLLM's default loader
+    amount: str = ""  # a bar that counts bytes: "53.2G/118G"
+
+    def words(self) -> str:
+        """ "18/40 shards", "53.2G/118G": how far, in the bar's own unit."""
+        return self.amount or f"{self.done}/{self.total} shards"
 
 
 def last_load_progress(text: str) -> LoadProgress | None:
-    """The latest shard-loading progress in a log excerpt, if any."""
-    matches = _SHARDS.findall(text)
-    if not matches:
+    """The latest weight-loading progress in a log excerpt, of whichever loader, if any."""
+    found = list(_BAR.finditer(text))
+    if not found:
         return None
-    percent, done, total = matches[-1]
-    return LoadProgress(int(percent), int(done), int(total))
+    bar = found[-1]
+    loader = bar["loader"] or ""
+    loader = _LOADERS.get(loader, loader.lower().replace(" ", "_"))
+    if "np_cache" in bar["desc"]:
+        loader = "npcache"
+    done, total = bar["done"], bar["total"]
+    if done.isdigit() and total.isdigit():
+        return LoadProgress(int(bar["percent"]), int(done), int(total), loader)
+    return LoadProgress(int(bar["percent"]), 0, 0, loader, f"{done}/{total}")
+
+
+def weights_load_s(text: str) -> float | None:
+    """vLLM's own time for reading the weights ("Loading weights took 812.37 seconds"), from
+    the engine's log; the first such line (a rank's, as the API server logs it)."""
+    took = _WEIGHTS_TOOK.search(text)
+    return float(took.group(1)) if took else None
 
 
 # NCCL's INFO lines (on by default so the transport can be proven) would fill any tail of the

@@ -5,8 +5,9 @@ model for the node (tests.testbed.memory, next to its GPU state), each rank
 
 - refuses to start as vLLM does when the node's free memory is below --gpu-memory-utilization x
   the GPU's total, free memory as the claimed vLLM version reads it (:func:`free_field`);
-- while loading adds its share of the weights to the node's page cache (reading safetensors)
-  and to what it holds, then holds utilization x total for the KV cache, until it exits or dies;
+- while loading adds its share of the weights to the node's page cache (reading safetensors;
+  not with InstantTensor's direct I/O) and to what it holds, then holds utilization x total
+  for the KV cache, until it exits or dies;
 - dies by SIGKILL when nothing can make room for an allocation (the kernel's OOM killer).
 
 Ray's memory monitor is Ray's own: the bed's containers see their node's /proc/meminfo.
@@ -84,12 +85,14 @@ class UnifiedLoad:
         self.node, self.weights_kib, self.want_kib = node, weights_kib, want_kib
         self.holding = node.hold(name, CONTEXT_KIB)
 
-    def shard(self, shards: int) -> None:
-        """One of ``shards`` safetensors files read: its pages cached, its tensors held."""
+    def shard(self, shards: int, cached: bool = True) -> None:
+        """One of ``shards`` safetensors files read: its pages cached (not with direct I/O,
+        as InstantTensor reads), its tensors held."""
         part = self.weights_kib // shards
 
         def read() -> None:
-            self.node.add_cache(part)
+            if cached:
+                self.node.add_cache(part)
             self.holding.grow(part)
 
         or_oom_kill(read)

@@ -77,7 +77,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.testbed import memory
-from tests.testbed.standins import gpu_state, mp_launcher, nccl, rdma, unified_memory
+from tests.testbed.standins import gpu_state, loaders, mp_launcher, nccl, rdma, unified_memory
 
 PROCESS_STARTED = time.monotonic()
 
@@ -301,24 +301,6 @@ def version_at_least(version: str, least: tuple[int, ...]) -> bool:
     return parts >= least
 
 
-def tqdm_line(done: int, total: int, elapsed: float) -> str:
-    """One refresh of vLLM's safetensors bar (tqdm with vLLM's bar_format)."""
-    percent = f"{100 * done / total:3.0f}%"
-    if done == 0 or elapsed <= 0:
-        timing = f"{_clock(elapsed)}<?, ?it/s"
-    else:
-        rate = done / elapsed
-        rate_text = f"{1 / rate:5.2f}s/it" if rate < 1 else f"{rate:5.2f}it/s"
-        timing = f"{_clock(elapsed)}<{_clock((total - done) / rate)}, {rate_text}"
-    return f"Loading safetensors checkpoint shards: {percent} Completed | {done}/{total} [{timing}]"
-
-
-def _clock(seconds: float) -> str:
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours:d}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
-
-
 # --------------------------------------------------------------------------- CLI
 
 
@@ -436,6 +418,7 @@ class ServeConfig:
     launch: mp_launcher.MpLaunch = field(default_factory=mp_launcher.MpLaunch)
     enforce_eager: bool = False
     api_keys: tuple[str, ...] = ()  # none: the API is open
+    load_format: str = "auto"
 
     @property
     def world_size(self) -> int:
@@ -477,6 +460,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         max_model_len=args.max_model_len or DEFAULT_MAX_MODEL_LEN,
         enforce_eager=args.enforce_eager,
         api_keys=api_keys(args, os.environ),
+        load_format=args.load_format,
     )
 
 
@@ -626,9 +610,9 @@ class RayWorkerWrapper:
     def ping(self) -> int:
         return os.getpid()
 
-    def load_shard(self, shards: int) -> None:
+    def load_shard(self, shards: int, cached: bool = True) -> None:
         if self._load is not None:
-            self._load.shard(shards)
+            self._load.shard(shards, cached)
 
     def init_kv_cache(self) -> None:
         if self._load is not None:
@@ -724,12 +708,13 @@ class Engine:
                 raise self.mp.memory_failed(rank, str(error)) from None
         self.mp.devices_ready()
 
-    def load_shard(self, shards: int) -> None:
-        """Every rank has read one more of ``shards`` files (unified memory: see start_load)."""
+    def load_shard(self, shards: int, cached: bool = True) -> None:
+        """Every rank has read one more of ``shards`` files (unified memory: see start_load),
+        through the page cache unless ``cached`` is off (direct I/O)."""
         if self.ranks is not None and self.knobs.unified_memory:
-            self.ranks.call("load_shard", shards)
+            self.ranks.call("load_shard", shards, cached)
         for load in self.loads:
-            load.shard(shards)
+            load.shard(shards, cached)
 
     def init_kv_cache(self) -> None:
         if self.mp is not None and self.config.launch.leader:
@@ -1063,26 +1048,32 @@ def env_copied_to_workers(log: Log) -> dict[str, str]:
 
 
 def load_weights(engine: Engine) -> None:
-    """Log the safetensors bar over what is left of VRD_LOAD_SECONDS; faults strike at half
-    the shards."""
+    """Log the loader's bar over what is left of VRD_LOAD_SECONDS (tests/testbed/standins/
+    loaders.py); faults strike at half of it."""
     knobs, log = engine.knobs, engine.log
-    total = knobs.shards
     log.engine(
         "INFO", "gpu_model_runner.py:2602", f"Starting to load model {engine.config.model}..."
+    )
+    if (refused := loaders.problem(engine.config.load_format, knobs.version)) is not None:
+        raise EngineFailed(LOADER_TRACE.format(load_format=engine.config.load_format) + refused)
+    weights_gib = WEIGHTS_SHARE * engine.config.gpu_util * knobs.gpu_total_mib / 1024
+    bar = loaders.Bar(
+        engine.config.load_format, knobs.shards, engine.config.world_size, weights_gib
     )
     started = time.monotonic()
     warmup = unified_memory.WARMUP_S if knobs.unified_memory else 0.0
     remaining = max(knobs.load_seconds - (started - PROCESS_STARTED) - warmup, 0.0)
-    for done in range(total + 1):
-        log.write(tqdm_line(done, total, time.monotonic() - started), sys.stderr)
-        if done == total // 2:
+    steps = bar.steps
+    for done in range(steps + 1):
+        log.write(bar.line(done, time.monotonic() - started), sys.stderr)
+        if done == steps // 2:
             strike_load_fault(engine)
-        if done < total:
-            _sleep_unless_dead(engine, remaining / total)
-            engine.load_shard(total)
+        if done < steps:
+            _sleep_unless_dead(engine, remaining / steps)
+            for _ in range(knobs.shards // steps + (done < knobs.shards % steps)):
+                engine.load_shard(knobs.shards, bar.cached)
     took = time.monotonic() - started
     log.engine("INFO", "default_loader.py:267", f"Loading weights took {took:.2f} seconds")
-    weights_gib = WEIGHTS_SHARE * engine.config.gpu_util * knobs.gpu_total_mib / 1024
     log.engine(
         "INFO",
         "gpu_model_runner.py:2653",
@@ -1205,6 +1196,14 @@ INIT_DEVICE_TRACE = (
     "Traceback (most recent call last):\n"
     '  File "/usr/local/lib/python3.12/dist-packages/vllm/v1/worker/gpu_worker.py", line 180, '
     "in init_device\n    raise ValueError(\n"
+)
+
+
+# Where vLLM 0.32 fails a fast loader it cannot use (weight_utils.py's iterators).
+LOADER_TRACE = (
+    "Traceback (most recent call last):\n"
+    '  File "/usr/local/lib/python3.12/dist-packages/vllm/model_executor/model_loader/'
+    'weight_utils.py", line 1360, in {load_format}_weights_iterator\n'
 )
 
 
@@ -1683,6 +1682,10 @@ def exit_after_death(engine: Engine, server: ApiServer) -> None:
 
 def run(argv: Sequence[str] | None = None) -> int:
     knobs = Knobs.from_env()
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["serve"] and any(w == "--help" or w.startswith("--help=") for w in words):
+        print(loaders.serve_help(knobs.version), end="")  # what the product reads of it
+        return 0
     parser = build_parser(knobs.version)
     args = parser.parse_args(argv)
     config = serve_config(args)
@@ -1777,10 +1780,11 @@ def follow(engine: Engine, mp: mp_launcher.MpNode) -> None:
     knobs = engine.knobs
     started = time.monotonic()
     remaining = max(knobs.load_seconds - (started - PROCESS_STARTED), 0.0)
+    cached = loaders.Bar(engine.config.load_format, knobs.shards, 1, 0.0).cached
     for _ in range(knobs.shards):
         if mp.lost.wait(remaining / knobs.shards):
             return
-        engine.load_shard(knobs.shards)
+        engine.load_shard(knobs.shards, cached)
     weights_gib = WEIGHTS_SHARE * engine.config.gpu_util * knobs.gpu_total_mib / 1024
     took = time.monotonic() - started
     engine.log.emit(
