@@ -171,9 +171,7 @@ def write_config(bed: TestBed, tag: str, env: dict[str, str], **changes: Any) ->
     return bed.write_config(bed.root / f"{tag}.toml", vllm=vllm, **changes)
 
 
-def redeploy(
-    api_url: str, bed: TestBed, tag: str, load_s: float, backend: str = "ray"
-) -> Redeploy:
+def redeploy(api_url: str, bed: TestBed, tag: str, load_s: float, backend: str = "ray") -> Redeploy:
     """A redeploy with the stand-in loading for ``load_s``; ``backend`` as [vllm] backend (Ray
     by name: auto takes mp on the bed's image, whose vLLM has --nnodes)."""
     env = stand_in_env(bed, tag, load_s)

@@ -46,12 +46,11 @@ class ImageFacts:
 
 
 def image_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
-    """The image's ID, the mounts and [vllm.env] its containers get (a mount can bring a
-    runtime, a variable a vLLM plugin) and the backends that ask it (one registered later has
-    no answer in an older result)."""
+    """The image's ID, the mounts its containers get (a mount can bring a runtime) and the
+    backends that ask it (one registered later has no answer in an older result)."""
     config = parameters["run"].config
     asking = sorted(b.name for b in BACKENDS.values() if b.question(config))
-    mounts = json.dumps([sorted(config.vllm.volumes), asking, sorted(config.vllm.env.items())])
+    mounts = json.dumps([sorted(config.vllm.volumes), asking])
     digest = hashlib.sha256(mounts.encode()).hexdigest()[:12]
     # v2: the facts gained the image's user; v3: each backend's answer instead of Ray's path;
     # v4: what its vLLM says of itself (an older result would lack them).

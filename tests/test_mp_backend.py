@@ -136,7 +136,7 @@ def test_auto_takes_mp_on_an_image_with_ray_and_ray_only_for_a_vllm_without_nnod
         "- backend mp (the image's vLLM has --nnodes; vLLM's own multi-node launcher)"
         in result["summary"]
     )
-    old = {"image": image.BED_IMAGE, "env": {"VRD_VLLM_VERSION": "0.10.2"}}
+    old = {"image": image.OLD_VLLM_IMAGE}
     state = redeploy_vllm_cluster(str(cluster(mp_bed, 2, "auto-old", vllm=old)), return_state=True)
     assert state.is_completed(), state.result(raise_on_failure=False)
     result = state.result()

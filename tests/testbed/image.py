@@ -39,6 +39,10 @@ NO_RAY_IMAGE = "vrd-bed/vllm-openai-noray:1"
 # them, without Ray; and fastsafetensors alone, with Ray.
 LOADERS_IMAGE = "vrd-bed/vllm-loaders:1"
 FASTSAFETENSORS_IMAGE = "vrd-bed/vllm-fastsafetensors-ray:1"
+# A community build of a vLLM older than its own multi-node launcher (no --nnodes), with Ray. The
+# version is the image's, as a real one's is: what the image is asked is cached by its ID.
+OLD_VLLM_IMAGE = "vrd-bed/vllm-0.10-ray:1"
+OLD_VLLM = "0.10.2"
 LOADERS_DIR = "/opt/vrd/loaders"  # one directory per loader, each holding its package
 OLD_STACK_IMAGE = "vrd-bed/old-stack:1"  # busybox: what the previous model's stack runs
 OLD_STACK_UNIT = "glm-server.service"  # what the previous stack starts at boot
@@ -83,6 +87,7 @@ BED_IMAGES = (
         LOADERS_IMAGE, ("vllm", "serve"), ray=False, loaders=("instanttensor", "fastsafetensors")
     ),
     BedImage(FASTSAFETENSORS_IMAGE, None, ray=True, loaders=("fastsafetensors",)),
+    BedImage(OLD_VLLM_IMAGE, None, ray=True, env=(f"VRD_VLLM_VERSION={OLD_VLLM}",)),
     # The real vLLM (CPU build, tests/testbed/real_vllm.py), mounted from where it is installed.
     BedImage(real_vllm.IMAGE, ("vllm", "serve"), ray=False, bin_dir=str(real_vllm.bin_dir())),
     BedImage(real_vllm.NGC_IMAGE, (NGC_ENTRYPOINT,), ray=False, bin_dir=str(real_vllm.bin_dir())),
