@@ -89,7 +89,7 @@ def measure_extras(
     coldstart.prepare_temporary_home(home)
     for i in range(args.runs):
         env = measure.stand_in_env(bed, f"cold{i}", args.load)
-        config = measure.write_config(bed, f"cold{i}", env)
+        config = measure.write_config(bed, f"cold{i}", env, vllm={"backend": "ray"})
         extras.run_server_s.append(coldstart.run_s(config, api, home))
         extras.run_temporary_s.append(coldstart.run_s(config, None, home))
     say("cold starts done")

@@ -16,6 +16,7 @@ import sys
 from vllm_redeploy.config import ClusterConfig, load_config
 from vllm_redeploy.endpoint import api_base
 from vllm_redeploy.launch import LaunchPlan, plan_for
+from vllm_redeploy.names import container_name
 from vllm_redeploy.nodes.containers import ContainerSpec
 
 
@@ -54,9 +55,10 @@ BACKEND = "ray"  # what the reference runbook launches by hand: Ray, then `vllm 
 
 
 def stale_regex(config: ClusterConfig, plan: LaunchPlan) -> str:
-    """One extended regex for the autostart containers' globs and our own earlier containers."""
+    """One extended regex for the autostart containers' globs and our own earlier containers:
+    the plan's, and any other of the cluster's (an earlier mp group's follower holds its GPU)."""
     ours = sorted({m.spec.name for m in plan.members})
-    globs = [*config.autostart.containers, *ours]
+    globs = [*config.autostart.containers, *ours, container_name(config.name, "*")]
     return "^(" + "|".join(glob_to_ere(g) for g in globs) + ")$"
 
 

@@ -800,7 +800,9 @@ def test_accepted_hostile_values_reach_the_node_verbatim_and_never_run(
     ray_line = next(line for line in lines if "start container " + ray_container(config) in line)
     rendered = ray_line.split("): ", 1)[1]
     assert shlex.split(rendered) == ray_start_args(config.head, config)
-    engine_line = next(line for line in lines if engine_container(config) in line)
+    # Ray's engine (auto prints mp's launch first, whose leader has the engine's name too).
+    ray_launch = lines[next(i for i, line in enumerate(lines) if "backend ray (" in line) :]
+    engine_line = next(line for line in ray_launch if engine_container(config) in line)
     assert shlex.split(engine_line.split(": ", 1)[1]) == container_argv(engine_spec(config))
     assert not any(s in "\n".join(lines) for s in secrets)
     # ... and that rendering, pasted into a shell on the node, runs `ray` with exactly that argv.

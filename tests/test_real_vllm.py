@@ -105,9 +105,8 @@ def test_the_readme_scenario_on_the_real_engine(real_bed: TestBed, path: Path) -
     assert result["probe"]["healthy"], result["probe"]
     # What the real engine said of itself, read by the product from /version.
     assert f"vLLM {real_vllm.VERSION}" in result["summary"]
-    # Its help was asked: it takes --nnodes and no fast loader imports in its image, so it loads
-    # with its own default and says how long that took ("Loading weights took N seconds").
-    assert "- backend mp (the image's vLLM has --nnodes" in result["summary"]
+    # Its help was asked: no fast loader imports in its image, so it loads with its own default
+    # and says how long that took ("Loading weights took N seconds").
     assert (
         "- loader vLLM's default loader (auto: the image's Python does not import instanttensor; "
         "the image's Python does not import fastsafetensors)" in result["summary"]
