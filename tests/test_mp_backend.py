@@ -191,8 +191,9 @@ def test_auto_loads_with_the_fastest_loader_the_image_has(mp_bed: TestBed) -> No
         )
     assert state.is_completed(), state.result(raise_on_failure=False)
     summary = state.result()["summary"]
+    keep_for_notes("summary-instanttensor", summary)
     assert "- loader instanttensor (auto: the image has it)" in summary
-    assert re.search(r"- weights loaded in \d+\.\d s \(vLLM's own time\)", summary), summary
+    assert re.search(r"- weights loaded in \d+\.\d+ s \(vLLM's own time\)", summary), summary
     for node, name in ((0, "vllm-redeploy-bed-engine"), (1, "vllm-redeploy-bed-follower")):
         args = served_args(mp_bed, node, name)
         assert args[args.index("--load-format") + 1] == "instanttensor"

@@ -111,7 +111,7 @@ def test_the_readme_scenario_on_the_real_engine(real_bed: TestBed, path: Path) -
         "- loader vLLM's default loader (auto: the image's Python does not import instanttensor; "
         "the image's Python does not import fastsafetensors)" in result["summary"]
     )
-    assert re.search(r"- weights loaded in \d+\.\d s \(vLLM's own time\)", result["summary"])
+    assert re.search(r"- weights loaded in \d+\.\d+ s \(vLLM's own time\)", result["summary"])
     assert "--load-format" not in container(real_bed, 0, LEADER).attrs["Config"]["Cmd"]
     # The answer our user sees from a thinking model, from the real reasoning parser.
     answer = chat(real_bed).json()["choices"][0]

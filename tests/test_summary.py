@@ -118,6 +118,8 @@ def test_summary_of_a_redeploy_with_a_reasoning_only_probe() -> None:
     # which loader read the weights, why, and how long vLLM itself says it took
     assert "- loader instanttensor (auto: the image has it)" in lines
     assert "- weights loaded in 842.1 s (vLLM's own time)" in lines
+    tiny = render_markdown(full_run(weights_s=0.0123)).splitlines()  # the real CPU engine's model
+    assert "- weights loaded in 0.01 s (vLLM's own time)" in tiny
     # the verdict, and the first words of the reasoning (markdown in them shown as written)
     assert "- healthy: reasoning only: the token budget ended inside thinking" in lines
     assert "- finish_reason `length`, 3.87 s" in lines

@@ -238,7 +238,8 @@ def _vllm_section(summary: RunSummary) -> list[str]:
     if summary.load_s is not None:
         items.append(f"loaded in {summary.load_s:.1f} s")
     if summary.weights_s is not None:
-        items.append(f"weights loaded in {summary.weights_s:.1f} s (vLLM's own time)")
+        took = f"{summary.weights_s:.{1 if summary.weights_s >= 10 else 2}f}"  # a tiny model's 0.01
+        items.append(f"weights loaded in {took} s (vLLM's own time)")
     if summary.compile_cache:
         items.append(f"compile cache {summary.compile_cache}")
     if not items:
