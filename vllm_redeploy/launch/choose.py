@@ -19,7 +19,7 @@ from vllm_redeploy.launch.backend import Backend
 from vllm_redeploy.launch.entrypoint import ImageEntrypoint
 from vllm_redeploy.launch.fingerprint import plan_fingerprint
 from vllm_redeploy.launch.group import NodeFabric
-from vllm_redeploy.launch.loader import Loader, choose_loader
+from vllm_redeploy.launch.loader import Loader, choose_loader, with_loader
 from vllm_redeploy.launch.plan import LaunchPlan
 
 AUTO = "auto"
@@ -152,10 +152,6 @@ def plan_for(
     stamped with the launch fingerprint (which depends on the settings alone: auto's choice is
     not in it, so a group keeps its fingerprint when an image gains or loses a loader)."""
     loader = loader or choose_loader(config, None)
-    chosen = config
-    if config.vllm.load_format == AUTO and loader.argument is not None:
-        vllm = config.vllm.model_copy(update={"load_format": loader.argument})
-        chosen = config.model_copy(update={"vllm": vllm})
-    built = BACKENDS[backend].plan(chosen, fabric, why).for_image(entrypoint)
+    built = BACKENDS[backend].plan(with_loader(config, loader), fabric, why).for_image(entrypoint)
     named = replace(built, loader=loader.words, load_format=loader.name or "default")
     return named.stamped(launch_fingerprint(config, backend))

@@ -96,6 +96,15 @@ def choose_loader(config: ClusterConfig, image: ImageVllm | None) -> Loader:
     return Loader(None, f"auto: {'; '.join(_lacks(image, fast) for fast in FAST_LOADERS)}")
 
 
+def with_loader(config: ClusterConfig, loader: Loader) -> ClusterConfig:
+    """``config`` as the launch reads it: auto's choice in place of "auto" (the fingerprint
+    keeps reading the configuration itself)."""
+    if config.vllm.load_format != AUTO or loader.argument is None:
+        return config
+    vllm = config.vllm.model_copy(update={"load_format": loader.argument})
+    return config.model_copy(update={"vllm": vllm})
+
+
 def loader_refusal(config: ClusterConfig, image: ImageVllm | None) -> str | None:
     """Why the configured fast loader cannot load on this image, with the fix; None: it can
     (or nothing can be told: the image did not answer, or the name is a plugin's)."""
