@@ -296,11 +296,6 @@ class Log:
         self.write(f"(APIServer pid={self.pid}) {level + ':':<9} {message}")
 
 
-def version_at_least(version: str, least: tuple[int, ...]) -> bool:
-    parts = tuple(int(p) for p in version.split("+")[0].split(".")[: len(least)] if p.isdigit())
-    return parts >= least
-
-
 # --------------------------------------------------------------------------- CLI
 
 
@@ -1389,7 +1384,7 @@ class Handler(BaseHTTPRequestHandler):
         model = request.get("model") or self.app.names[0]
         if model not in self.app.names:
             message = f"The model `{model}` does not exist."
-            if version_at_least(self.app.knobs.version, (0, 32)):  # as the real 0.32.0 says it
+            if loaders.at_least(self.app.knobs.version, (0, 32)):  # as the real 0.32.0 says it
                 message += f" Valid aliases: {', '.join(self.app.names)}."
             self._json(404, error_body(message, "NotFoundError", 404, "model"))
             return
@@ -1717,7 +1712,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         log.traceback(refused.text, "APIServer")
         return 1
     engine = Engine(config, knobs, log)
-    if version_at_least(knobs.version, READY_TIMEOUT_BOUNDS_START):
+    if loaders.at_least(knobs.version, READY_TIMEOUT_BOUNDS_START):
         threading.Thread(target=give_up_unless_ready, args=(engine,), daemon=True).start()
     try:
         engine.start()
